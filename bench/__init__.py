@@ -1,0 +1,1 @@
+"""Benchmarks: each prints its numbers and writes a JSON report."""

@@ -1,0 +1,168 @@
+"""KV cache group specs and the hybrid prefix-hit rule, shared by engine and router.
+
+A hybrid model's KV cache is split into groups (``group_idx`` = position): full attention
+needs every block of the prefix, a sliding window only the blocks covering the last
+``window - 1`` tokens before the hit end, a Mamba layer only the state block at the hit end.
+``longest_cache_hit`` returns the hit exactly as vLLM's ``HybridKVCacheCoordinator``
+computes it: each group shrinks the candidate length to the longest length *it* can serve,
+full attention first, until no group shrinks it (a fixed point). The engine uses it to
+decide what it reuses and the router to predict that, so the two agree by construction.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import reduce
+from typing import ClassVar
+
+__all__ = [
+    "FullAttentionSpec",
+    "KVCacheLayout",
+    "KVCacheSpec",
+    "MambaSpec",
+    "SlidingWindowSpec",
+    "longest_cache_hit",
+    "longest_cache_hit_masks",
+    "spec_from_event",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class FullAttentionSpec:
+    block_size: int
+    kind: ClassVar[str] = "full_attention"
+    sliding_window: ClassVar[int | None] = None
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingWindowSpec:
+    block_size: int
+    sliding_window: int
+    kind: ClassVar[str] = "sliding_window"
+
+    @property
+    def window_blocks(self) -> int:
+        """Blocks that must be cached before a hit end: cdiv(window - 1, block_size)."""
+        return -(-(self.sliding_window - 1) // self.block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class MambaSpec:
+    block_size: int
+    kind: ClassVar[str] = "mamba"
+    sliding_window: ClassVar[int | None] = None
+
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MambaSpec
+
+# vLLM spec kinds that behave like one of ours for prefix hits.
+_FULL_KINDS = {"full_attention", "mla_attention", "sink_full_attention"}
+_WINDOW_KINDS = {"sliding_window", "sliding_window_mla"}
+
+
+def spec_from_event(kind: str | None, sliding_window: int | None, block_size: int) -> KVCacheSpec:
+    """Map an event's ``kv_cache_spec_kind``/window to a spec (unknown kinds: full attention)."""
+    if kind in _WINDOW_KINDS and sliding_window:
+        return SlidingWindowSpec(block_size, sliding_window)
+    if kind == "mamba":
+        return MambaSpec(block_size)
+    return FullAttentionSpec(block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheLayout:
+    """A model's ordered KV cache groups; ``groups[i]`` is ``group_idx == i``."""
+
+    groups: tuple[KVCacheSpec, ...]
+
+    @property
+    def lcm_block_size(self) -> int:
+        return reduce(math.lcm, (g.block_size for g in self.groups), 1)
+
+    @property
+    def hash_block_size(self) -> int:
+        return reduce(math.gcd, (g.block_size for g in self.groups))
+
+    def longest_cache_hit(self, is_cached: Callable[[int, int], bool], max_tokens: int) -> int:
+        return longest_cache_hit(self.groups, is_cached, max_tokens)
+
+
+def _full_prefix_mask(mask: int) -> int:
+    """Number of consecutive cached blocks from block 0."""
+    return ((mask + 1) & ~mask).bit_length() - 1
+
+
+def _servable(spec: KVCacheSpec, mask: int, limit_blocks: int, align_blocks: int) -> int:
+    """Largest n <= limit_blocks, n % align_blocks == 0, that ``spec`` can serve (blocks)."""
+    n = limit_blocks - limit_blocks % align_blocks
+    if isinstance(spec, FullAttentionSpec):
+        p = min(_full_prefix_mask(mask), n)
+        return p - p % align_blocks
+    if isinstance(spec, MambaSpec):
+        # Rightmost cached state block whose end is aligned.
+        while n > 0 and not (mask >> (n - 1)) & 1:
+            n -= align_blocks
+        return max(n, 0)
+    need = spec.window_blocks
+    while n > 0:
+        lo = max(0, n - need)
+        width = n - lo
+        if (mask >> lo) & ((1 << width) - 1) == (1 << width) - 1:
+            return n
+        n -= align_blocks
+    return 0
+
+
+def longest_cache_hit_masks(
+    specs: Sequence[KVCacheSpec], masks: Sequence[int], max_tokens: int
+) -> int:
+    """The hit in tokens, given per group a bitmask of cached block indices (bit i = block i).
+
+    Masks are block-granular per group (block i of a group with block size bs covers tokens
+    [i*bs, (i+1)*bs)). Only bits below ``max_tokens // bs`` are consulted.
+    """
+    if not specs or max_tokens <= 0:
+        return 0
+    lcm = reduce(math.lcm, (s.block_size for s in specs), 1)
+    hit = max_tokens - max_tokens % lcm
+    order = sorted(range(len(specs)), key=lambda g: not isinstance(specs[g], FullAttentionSpec))
+    changed = True
+    while changed and hit > 0:
+        changed = False
+        for g in order:
+            bs = specs[g].block_size
+            n = _servable(specs[g], masks[g], hit // bs, lcm // bs)
+            if n * bs < hit:
+                hit = n * bs
+                changed = True
+    return hit
+
+
+def longest_cache_hit(
+    specs: Sequence[KVCacheSpec], is_cached: Callable[[int, int], bool], max_tokens: int
+) -> int:
+    """The largest hit L <= max_tokens (a multiple of every block size) all groups can serve.
+
+    ``is_cached(group_idx, block_idx)`` says whether that group holds that block of the
+    request. Callers pass ``max_tokens = num_prompt_tokens - 1`` for vLLM's rule that the
+    last prompt token is always recomputed.
+    """
+    if not specs or max_tokens <= 0:
+        return 0
+    masks = []
+    for g, spec in enumerate(specs):
+        n = max_tokens // spec.block_size
+        mask = 0
+        if isinstance(spec, FullAttentionSpec):
+            i = 0
+            while i < n and is_cached(g, i):
+                i += 1
+            mask = (1 << i) - 1
+        else:
+            for i in range(n):
+                if is_cached(g, i):
+                    mask |= 1 << i
+        masks.append(mask)
+    return longest_cache_hit_masks(specs, masks, max_tokens)

@@ -1,0 +1,1 @@
+"""The ``kvroute`` command line."""

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test command: set up, lint, run the whole suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/python -m pytest -q "$@"
