@@ -10,6 +10,7 @@ and the token ids are encoded for all blocks at once with numpy.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import os
 import pickle
@@ -116,7 +117,8 @@ def hash_request_blocks(
         return _hash_cbor_fast(token_ids, block_size, num_blocks, prev, extra_keys, _DIGESTS[algo])
     hash_fn = get_hash_fn(algo)
     out: list[bytes] = []
-    tokens = list(token_ids)
+    # Python ints: pickle of a numpy scalar differs from pickle of an int.
+    tokens = token_ids.tolist() if isinstance(token_ids, np.ndarray) else list(token_ids)
     for i in range(num_blocks):
         keys = extra_keys[i] if extra_keys is not None else None
         prev = hash_fn((prev, tuple(tokens[i * block_size : (i + 1) * block_size]), keys))
@@ -143,29 +145,75 @@ def _cbor_head(major: int, n: int) -> bytes:
 
 def _encode_uints(tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
     """Canonical CBOR of each uint in ``tokens``, concatenated; plus each item's end offset."""
+    if int(tokens.max(initial=0)) < _TABLE_MAX_IDS:
+        enc, size = _token_table(int(tokens.max(initial=0)) + 1)
+        sizes = size.take(tokens)
+        body = enc.take(tokens, axis=0)[_PREFIX_MASK.take(sizes, axis=0)].tobytes()
+        return body, np.cumsum(sizes, dtype=np.int64)
+    return _encode_uints_wide(tokens)
+
+
+# Per-token canonical CBOR, precomputed: row t = head byte + big-endian argument, padded to 9.
+_TABLE_MAX_IDS = 1 << 22
+_PREFIX_MASK = np.arange(9)[None, :] < np.arange(10)[:, None]  # row n: first n bytes
+_table: tuple[np.ndarray, np.ndarray] | None = None
+
+
+def _size_and_head(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    big = t >= 0x100000000
+    size = 1 + (t >= 24) + (t >= 0x100) + 2 * (t >= 0x10000).astype(np.int64) + 4 * big
+    head = np.where(
+        t < 24, t, np.where(t < 0x100, 24, np.where(t < 0x10000, 25, np.where(big, 27, 26)))
+    )
+    return size.astype(np.int64), head.astype(np.uint8)
+
+
+def _token_table(min_ids: int) -> tuple[np.ndarray, np.ndarray]:
+    """The encoding table covering ids < max(min_ids, 2**18), grown by doubling."""
+    global _table
+    if _table is None or len(_table[1]) < min_ids:
+        n = max(1 << 18, 1 << (min_ids - 1).bit_length())
+        ids = np.arange(n, dtype=np.uint64)
+        size, head = _size_and_head(ids)
+        enc = np.zeros((n, 9), dtype=np.uint8)
+        enc[:, 0] = head
+        be = ids.astype(">u8").view(np.uint8).reshape(n, 8)
+        for nbytes in (1, 2, 4):
+            sel = size == nbytes + 1
+            enc[sel, 1 : 1 + nbytes] = be[sel, 8 - nbytes :]
+        _table = (enc, size)
+    return _table
+
+
+def _encode_uints_wide(tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """Table-free variant for ids beyond the table (up to 2**64 - 1)."""
     t = tokens.astype(np.uint64, copy=False)
-    size = np.where(
-        t < 24,
-        1,
-        np.where(t < 0x100, 2, np.where(t < 0x10000, 3, np.where(t < 0x100000000, 5, 9))),
-    ).astype(np.int64)
-    ends = np.cumsum(size)
-    out = np.zeros(int(ends[-1]), dtype=np.uint8)
-    starts = ends - size
-    heads = np.where(
-        t < 24,
-        t,
-        np.where(t < 0x100, 24, np.where(t < 0x10000, 25, np.where(t < 0x100000000, 26, 27))),
-    ).astype(np.uint8)
-    out[starts] = heads
-    # Argument bytes, big-endian, after the head byte for items that have them.
+    size, head = _size_and_head(t)
+    enc = np.zeros((t.size, 9), dtype=np.uint8)
+    enc[:, 0] = head
     be = t.astype(">u8").view(np.uint8).reshape(-1, 8)
     for nbytes in (1, 2, 4, 8):
-        sel = np.nonzero(size == nbytes + 1)[0]
-        if sel.size:
-            idx = starts[sel, None] + 1 + np.arange(nbytes)
-            out[idx] = be[sel, 8 - nbytes :]
-    return out.tobytes(), ends
+        sel = size == nbytes + 1
+        enc[sel, 1 : 1 + nbytes] = be[sel, 8 - nbytes :]
+    return enc[_PREFIX_MASK.take(size, axis=0)].tobytes(), np.cumsum(size)
+
+
+def _as_uint_array(token_ids: Sequence[int], n: int) -> np.ndarray | None:
+    """Token ids as a non-negative integer array, or None when some id is negative."""
+    if isinstance(token_ids, np.ndarray):
+        arr = token_ids[:n]
+    else:
+        head = token_ids[:n] if isinstance(token_ids, list | tuple) else list(token_ids)[:n]
+        try:
+            arr = np.frombuffer(array.array("I", head), dtype=np.uint32)  # fastest list path
+        except OverflowError:
+            try:
+                arr = np.array(head, dtype=np.uint64)
+            except OverflowError:
+                return None
+    if arr.dtype.kind == "i" and arr.size and int(arr.min()) < 0:
+        return None
+    return arr
 
 
 def _hash_cbor_fast(
@@ -176,34 +224,24 @@ def _hash_cbor_fast(
     extra_keys: Sequence[tuple[Any, ...] | None] | None,
     digest: Callable[[bytes], bytes],
 ) -> list[bytes]:
-    n = num_blocks * block_size
-    if isinstance(token_ids, np.ndarray):
-        arr = token_ids[:n]
-    else:
-        arr = np.fromiter(token_ids[:n] if isinstance(token_ids, list) else token_ids, np.int64, n)
-    if arr.size and int(arr.min()) < 0:
+    arr = _as_uint_array(token_ids, num_blocks * block_size)
+    if arr is None:
         # Negative ids never occur in practice; let cbor2 handle them exactly.
-        return _hash_cbor_general(
-            list(map(int, arr)), block_size, num_blocks, prev, extra_keys, digest
-        )
+        tokens = [int(t) for t in list(token_ids)[: num_blocks * block_size]]
+        return _hash_cbor_general(tokens, block_size, num_blocks, prev, extra_keys, digest)
     body, ends = _encode_uints(arr)
     bounds = [0, *ends[block_size - 1 :: block_size].tolist()]
     tokens_head = _cbor_head(4, block_size)
-    parent_head = _cbor_head(2, len(prev))
-    none_tail = b"\xf6"
+    chained_head = b"\x83" + _cbor_head(2, len(digest(b"")))  # every digest after the first
+    head = b"\x83" + _cbor_head(2, len(prev))  # the seed parent may differ in length
     out: list[bytes] = []
     append = out.append
     for i in range(num_blocks):
         keys = extra_keys[i] if extra_keys is not None else None
-        tail = none_tail if keys is None else _cbor(keys)
-        prev = digest(
-            b"".join(
-                (b"\x83", parent_head, prev, tokens_head, body[bounds[i] : bounds[i + 1]], tail)
-            )
-        )
+        tail = b"\xf6" if keys is None else _cbor(keys)
+        prev = digest(b"".join((head, prev, tokens_head, body[bounds[i] : bounds[i + 1]], tail)))
         append(prev)
-        if len(prev) != len(out[0]):  # pragma: no cover - digests have fixed size
-            parent_head = _cbor_head(2, len(prev))
+        head = chained_head
     return out
 
 
