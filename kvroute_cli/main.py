@@ -8,10 +8,12 @@ import logging
 import typer
 
 from kvroute_cli.bench_cmd import app as bench_app
+from kvroute_cli.engine_cmd import engine
 from kvroute_cli.events_cmd import app as events_app
 
 app = typer.Typer(no_args_is_help=True, help="KV event streaming and hybrid prefix-aware routing.")
 app.add_typer(events_app, name="events", help="Inspect vLLM KV event streams.")
+app.command("engine")(engine)
 app.add_typer(bench_app, name="bench", help="Benchmarks that print numbers and write a report.")
 
 

@@ -1,0 +1,251 @@
+"""The simulated engine's HTTP surface: vLLM-shaped OpenAI endpoints over ``EngineCore``.
+
+Responses look like vLLM's (SSE ``data:`` chunks, ``[DONE]``, usage chunk on
+``stream_options.include_usage``) and also say what was really reused:
+``usage.prompt_tokens_details.cached_tokens`` (vLLM's field) and
+``usage.kv_hit = {"gpu_tokens", "cpu_tokens"}``. ``system_fingerprint`` names the engine so
+benchmarks can attribute load even behind routers that add no header.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from engine_adapter.sim.core import EngineCore, RequestOutput
+from engine_adapter.sim.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeRequest,
+    error_body,
+)
+from events.tokenizer import Tokenizer, apply_chat_template
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+def _error(message: str, status: int, err_type: str = "BadRequestError") -> JSONResponse:
+    return JSONResponse(error_body(message, status, err_type), status_code=status)
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> BaseModel | JSONResponse:
+    """Read and validate a JSON body once, at the edge; 4xx with a message otherwise."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        return _error(f"request body over {MAX_BODY_BYTES} bytes", 413, "RequestTooLarge")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            return _error(f"request body over {MAX_BODY_BYTES} bytes", 413, "RequestTooLarge")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return _error(f"invalid JSON body: {exc}", 400)
+    if not isinstance(data, dict):
+        return _error("request body must be a JSON object", 400)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        return _error(f"invalid request: {where}: {first.get('msg')}", 400)
+
+
+def _usage(out: RequestOutput) -> dict[str, Any]:
+    return {
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "total_tokens": out.prompt_tokens + out.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": out.gpu_hit_tokens + out.cpu_hit_tokens},
+        "kv_hit": {"gpu_tokens": out.gpu_hit_tokens, "cpu_tokens": out.cpu_hit_tokens},
+    }
+
+
+def create_app(
+    core: EngineCore, tokenizer: Tokenizer, model_name: str, engine_name: str, max_model_len: int
+) -> FastAPI:
+    app = FastAPI(title="kvroute simulated engine", docs_url=None, redoc_url=None)
+    fingerprint = f"kvroute-engine:{engine_name}"
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(f"invalid request: {exc.errors()[:1]}", 400)
+
+    def _check(model: str | None, prompt_ids: list[int], max_tokens: int) -> JSONResponse | None:
+        if model is not None and model != model_name:
+            return _error(f"The model `{model}` does not exist.", 404, "NotFoundError")
+        if len(prompt_ids) + max_tokens > max_model_len:
+            return _error(
+                f"This model's maximum context length is {max_model_len} tokens; the request "
+                f"has {len(prompt_ids)} prompt tokens and asks for {max_tokens} more.",
+                400,
+            )
+        if not prompt_ids:
+            return _error("prompt must not be empty", 400)
+        if any(t >= tokenizer.vocab_size for t in prompt_ids):
+            return _error(f"token ids must be < vocab size {tokenizer.vocab_size}", 400)
+        return None
+
+    async def _run(
+        kind: str, prompt_ids: list[int], max_tokens: int, stream: bool, include_usage: bool
+    ) -> Response:
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        outputs = core.submit(rid, prompt_ids, max_tokens)
+        if stream:
+            gen = _stream(kind, rid, created, outputs, include_usage)
+            return StreamingResponse(gen, media_type="text/event-stream")
+        token_ids: list[int] = []
+        last: RequestOutput | None = None
+        async for out in outputs:
+            token_ids.extend(out.new_token_ids)
+            last = out
+        assert last is not None
+        text = tokenizer.decode(token_ids)
+        if kind == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": last.finish_reason,
+            }
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": last.finish_reason,
+            }
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion" if kind == "chat" else "text_completion",
+                "created": created,
+                "model": model_name,
+                "system_fingerprint": fingerprint,
+                "choices": [choice],
+                "usage": _usage(last),
+            },
+            headers={"x-kvroute-engine": engine_name},
+        )
+
+    async def _stream(
+        kind: str,
+        rid: str,
+        created: int,
+        outputs: AsyncIterator[RequestOutput],
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        base = {"id": rid, "object": obj, "created": created, "model": model_name}
+        base["system_fingerprint"] = fingerprint
+
+        def chunk(text: str | None, finish: str | None, first: bool = False) -> bytes:
+            if kind == "chat":
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+                if text is not None:
+                    delta["content"] = text
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return f"data: {json.dumps({**base, 'choices': [choice]})}\n\n".encode()
+
+        if kind == "chat":
+            yield chunk(None, None, first=True)
+        last: RequestOutput | None = None
+        try:
+            async for out in outputs:
+                last = out
+                if out.new_token_ids:
+                    yield chunk(tokenizer.decode(out.new_token_ids), None)
+                if out.finished:
+                    yield chunk(None if kind == "chat" else "", out.finish_reason)
+        except Exception as exc:  # the engine failed mid-stream: say so, then end the stream
+            logger.exception("request %s failed mid-stream", rid)
+            err = error_body(str(exc), 500, "InternalServerError")
+            yield f"data: {json.dumps(err)}\n\n".encode()
+        if include_usage and last is not None:
+            yield f"data: {json.dumps({**base, 'choices': [], 'usage': _usage(last)})}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = await _parse(request, CompletionRequest)
+        if isinstance(req, JSONResponse):
+            return req
+        assert isinstance(req, CompletionRequest)
+        ids = tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        if (err := _check(req.model, ids, req.max_tokens)) is not None:
+            return err
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await _run("completion", ids, req.max_tokens, req.stream, usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req = await _parse(request, ChatCompletionRequest)
+        if isinstance(req, JSONResponse):
+            return req
+        assert isinstance(req, ChatCompletionRequest)
+        text = apply_chat_template([m.model_dump() for m in req.messages])
+        ids = tokenizer.encode(text)
+        if (err := _check(req.model, ids, req.output_len)) is not None:
+            return err
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await _run("chat", ids, req.output_len, req.stream, usage)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req = await _parse(request, TokenizeRequest)
+        if isinstance(req, JSONResponse):
+            return req
+        assert isinstance(req, TokenizeRequest)
+        if req.messages is not None:
+            ids = tokenizer.encode(apply_chat_template([m.model_dump() for m in req.messages]))
+        elif isinstance(req.prompt, str):
+            ids = tokenizer.encode(req.prompt)
+        elif isinstance(req.prompt, list):
+            ids = list(req.prompt)
+        else:
+            return _error("either prompt or messages is required", 400)
+        return JSONResponse(
+            {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": None}
+        )
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "kvroute",
+                    "root": model_name,
+                    "max_model_len": max_model_len,
+                }
+            ],
+        }
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if core.healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        core.refresh_metrics()
+        return Response(generate_latest(core.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

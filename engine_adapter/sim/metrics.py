@@ -1,0 +1,52 @@
+"""Prometheus metrics of the simulated engine, named like vLLM's where vLLM has them."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class EngineMetrics:
+    """One registry per engine (several engines can live in one test process)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, {"model_name": model_name}
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, list(labels), registry=r).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, list(labels), registry=r).labels(**labels)
+
+        self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.gpu_usage = gauge("vllm:kv_cache_usage_perc", "GPU KV cache usage (0-1).")
+        self.cpu_usage = gauge("kvroute:cpu_kv_cache_usage_perc", "CPU offload tier usage (0-1).")
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens hit on the GPU.")
+        self.cpu_hits = counter("kvroute:cpu_prefix_cache_hits", "Prompt tokens loaded from CPU.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens admitted.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.request_success = counter("vllm:request_success", "Requests finished.")
+        self.preemptions = counter("vllm:num_preemptions", "Recompute preemptions.")
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token (simulated clock, scaled).",
+            list(labels),
+            registry=r,
+            buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30),
+        ).labels(**labels)
+
+    def on_admitted(self, prompt_tokens: int, gpu_hit: int, cpu_hit: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.prefix_queries.inc(prompt_tokens)
+        self.prefix_hits.inc(gpu_hit)
+        self.cpu_hits.inc(cpu_hit)
+
+    def refresh(self, running: int, waiting: int, gpu_usage: float, cpu_usage: float) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.gpu_usage.set(gpu_usage)
+        self.cpu_usage.set(cpu_usage)

@@ -1,0 +1,74 @@
+"""``kvroute engine``: a simulated vLLM-like OpenAI server that publishes KV events."""
+
+from __future__ import annotations
+
+import typer
+
+
+def engine(
+    host: str = typer.Option("127.0.0.1", help="Bind address (loopback by default)."),
+    port: int = typer.Option(8000),
+    model: str = typer.Option("kvroute-sim", help="Served model name."),
+    name: str = typer.Option(None, help="How the engine names itself (default host:port)."),
+    profile: str = typer.Option("swa-hybrid", help="full | swa-hybrid | mamba-hybrid"),
+    block_size: int = typer.Option(16),
+    sliding_window: int = typer.Option(1024, help="Window of the swa-hybrid profile (tokens)."),
+    page_bytes: int = typer.Option(4096, help="Bytes per block per group in the KV tensors."),
+    gpu_blocks: int = typer.Option(2048, help="GPU KV blocks (shared by all groups)."),
+    cpu_blocks: int = typer.Option(0, help="CPU offload tier size in GPU blocks; 0 = off."),
+    blocks_per_chunk: int = typer.Option(4, help="GPU blocks per offloaded chunk."),
+    offload_policy: str = typer.Option("lru", help="lru | arc"),
+    kv_events_config: str = typer.Option(
+        None, help="vLLM's --kv-events-config JSON (endpoint, replay_endpoint, topic, ...)."
+    ),
+    legacy_array_events: bool = typer.Option(False, help="Publish the legacy array form."),
+    prefix_caching_hash_algo: str = typer.Option(
+        "sha256_cbor", help="sha256 | sha256_cbor | xxhash | xxhash_cbor"
+    ),
+    seed: str = typer.Option(None, help="NONE_HASH seed (default: vLLM's rule)."),
+    tokenizer: str = typer.Option(None, help="Path to a tokenizer.json (default byte-level)."),
+    max_model_len: int = typer.Option(131_072),
+    max_num_seqs: int = typer.Option(64),
+    max_num_batched_tokens: int = typer.Option(4096),
+    time_scale: float = typer.Option(1.0, help="Run the timing model X times faster."),
+    prefill_tokens_per_s: float = typer.Option(10_000.0),
+    data_parallel_rank: int = typer.Option(0),
+    log_level: str = typer.Option("info"),
+) -> None:
+    """Serve /v1/completions, /v1/chat/completions, /tokenize, /metrics over a simulated
+    hybrid KV cache, publishing vLLM KV events over ZMQ."""
+    from engine_adapter.sim.server import EngineSettings, serve
+    from engine_adapter.sim.timing import TimingModel
+    from events.config import KVEventsConfig
+
+    try:
+        events = KVEventsConfig.from_json(kv_events_config) if kv_events_config else None
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--kv-events-config") from exc
+    if time_scale <= 0 or prefill_tokens_per_s <= 0:
+        raise typer.BadParameter("--time-scale and --prefill-tokens-per-s must be positive")
+    settings = EngineSettings(
+        host=host,
+        port=port,
+        model=model,
+        name=name,
+        profile=profile,
+        block_size=block_size,
+        sliding_window=sliding_window,
+        page_bytes=page_bytes,
+        gpu_blocks=gpu_blocks,
+        cpu_blocks=cpu_blocks,
+        blocks_per_chunk=blocks_per_chunk,
+        offload_policy=offload_policy,
+        kv_events=events,
+        legacy_array_events=legacy_array_events,
+        hash_algo=prefix_caching_hash_algo,
+        seed=seed,
+        tokenizer=tokenizer,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        timing=TimingModel(prefill_s_per_token=1.0 / prefill_tokens_per_s, time_scale=time_scale),
+        data_parallel_rank=data_parallel_rank,
+    )
+    serve(settings, log_level=log_level)

@@ -1,0 +1,122 @@
+"""Test kit shared across test packages: free ports, real engine processes, HTTP waits."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+KVROUTE = [sys.executable, "-m", "kvroute_cli.main"]
+_used: set[int] = set()
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on (and this process has not handed out)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _used and port + 1 not in _used:
+            _used.add(port)
+            return port
+
+
+def wait_http(url: str, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} was up")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not healthy after {timeout}s")
+
+
+@dataclass
+class EngineProc:
+    """A real ``kvroute engine`` process on loopback."""
+
+    proc: subprocess.Popen
+    port: int
+    events_port: int
+    replay_port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def events(self) -> str:
+        return f"tcp://127.0.0.1:{self.events_port}"
+
+    @property
+    def replay(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay_port}"
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+
+def start_engine(
+    tmp: Path,
+    *args: str,
+    port: int | None = None,
+    events_port: int | None = None,
+    replay_port: int | None = None,
+    wait: bool = True,
+) -> EngineProc:
+    port = port or free_port()
+    events_port = events_port or free_port()
+    replay_port = replay_port or free_port()
+    cfg = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"tcp://*:{events_port}",
+        "replay_endpoint": f"tcp://*:{replay_port}",
+    }
+    log = tmp / f"engine-{port}.log"
+    cmd = [*KVROUTE, "engine", "--port", str(port), "--kv-events-config", json.dumps(cfg), *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    eng = EngineProc(proc, port, events_port, replay_port, log)
+    if wait:
+        try:
+            wait_http(f"{eng.url}/health", proc=proc)
+        except Exception:
+            eng.stop(signal.SIGKILL)
+            raise RuntimeError(f"engine failed to start:\n{log.read_text()[-3000:]}") from None
+    return eng
+
+
+@contextlib.contextmanager
+def engines(tmp: Path, count: int, *args: str) -> Iterator[list[EngineProc]]:
+    procs: list[EngineProc] = []
+    try:
+        for _ in range(count):
+            procs.append(start_engine(tmp, *args, wait=False))
+        for e in procs:
+            wait_http(f"{e.url}/health", proc=e.proc)
+        yield procs
+    finally:
+        for e in procs:
+            e.stop()
