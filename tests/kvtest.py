@@ -120,3 +120,70 @@ def engines(tmp: Path, count: int, *args: str) -> Iterator[list[EngineProc]]:
     finally:
         for e in procs:
             e.stop()
+
+
+@dataclass
+class RouterProc:
+    proc: subprocess.Popen
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        return EngineProc.stop(self, sig, timeout)  # type: ignore[arg-type]
+
+
+def instance_arg(e: EngineProc) -> str:
+    return f"{e.url}={e.events},replay={e.replay}"
+
+
+def start_router(
+    tmp: Path, engines_: list[EngineProc], *args: str, env: dict[str, str] | None = None
+) -> RouterProc:
+    port = free_port()
+    cmd = [*KVROUTE, "router", "--port", str(port), "--health-interval", "0.5"]
+    for e in engines_:
+        cmd += ["--instance", instance_arg(e)]
+    log = tmp / f"router-{port}.log"
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(
+            [*cmd, *args],
+            cwd=REPO,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+    r = RouterProc(proc, port, log)
+    try:
+        wait_http(f"{r.url}/health", proc=proc)
+    except Exception:
+        r.stop(signal.SIGKILL)
+        raise RuntimeError(f"router failed to start:\n{log.read_text()[-3000:]}") from None
+    return r
+
+
+def start_redis(port: int | None = None) -> tuple[subprocess.Popen, int]:
+    """A private redis-server on loopback (persistence off); the caller stops it."""
+    import shutil
+
+    import redis
+
+    port = port or free_port()
+    exe = shutil.which("redis-server") or "/usr/bin/redis-server"
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            redis.Redis(port=port, socket_timeout=1).ping()
+            return proc, port
+        except redis.ConnectionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("private redis-server did not start") from None
+            time.sleep(0.02)

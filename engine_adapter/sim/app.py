@@ -162,11 +162,13 @@ def create_app(
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
             return f"data: {json.dumps({**base, 'choices': [choice]})}\n\n".encode()
 
-        if kind == "chat":
-            yield chunk(None, None, first=True)
         last: RequestOutput | None = None
         try:
             async for out in outputs:
+                if last is None and kind == "chat":
+                    # As vLLM: the role chunk goes out with the first output, so the first
+                    # byte of the body marks the first token.
+                    yield chunk(None, None, first=True)
                 last = out
                 if out.new_token_ids:
                     yield chunk(tokenizer.decode(out.new_token_ids), None)

@@ -1,0 +1,61 @@
+"""``kvroute router``: the hybrid prefix-aware OpenAI routing proxy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def router(
+    host: str = typer.Option(None, help="Bind address [default 127.0.0.1]."),
+    port: int = typer.Option(None, help="Port [default 8080]."),
+    instance: list[str] = typer.Option(
+        None, help="URL[=EVENTS_ENDPOINT[,replay=ENDPOINT][,topic=T]]; repeatable."
+    ),
+    index: str = typer.Option(None, help="memory | redis://... | rediss://... | unix://..."),
+    policy: str = typer.Option(
+        None, help="cost | round_robin | least_loaded | prefix_full_only [default cost]"
+    ),
+    model: str = typer.Option(None, help="Model name (namespaces the Redis index)."),
+    block_size: int = typer.Option(None, help="Engine hash block size [default 16]."),
+    hash_algo: str = typer.Option(None, help="Engine --prefix-caching-hash-algo."),
+    seed: str = typer.Option(None, help="NONE_HASH seed (the engines' PYTHONHASHSEED)."),
+    tokenizer: str = typer.Option(None, help="byte | path/to/tokenizer.json | remote"),
+    default_layout: str = typer.Option(None, help="full | swa:WINDOW | mamba (until learned)"),
+    temperature: float = typer.Option(None, help="Softmax temperature (0 = argmin)."),
+    health_interval: float = typer.Option(None, help="Seconds between health probes."),
+    config: Path = typer.Option(None, help="YAML file with the same settings.", exists=True),
+    log_level: str = typer.Option(None, help="uvicorn log level."),
+) -> None:
+    """Route OpenAI requests to the instance with the best hybrid prefix hit and the lowest
+    predicted time to first token. Settings: flags > KVROUTE_* env > --config YAML."""
+    from pydantic import ValidationError
+
+    from router.config import load_settings
+    from router.server import serve
+
+    flags = {
+        "host": host,
+        "port": port,
+        "instances": instance or None,
+        "index": index,
+        "policy": policy,
+        "model": model,
+        "block_size": block_size,
+        "hash_algo": hash_algo,
+        "seed": seed,
+        "tokenizer": tokenizer,
+        "default_layout": default_layout,
+        "temperature": temperature,
+        "health_interval_s": health_interval,
+        "log_level": log_level,
+    }
+    try:
+        settings = load_settings(flags, config)
+        from router.state import parse_layout
+
+        parse_layout(settings.default_layout, settings.block_size)
+    except (ValidationError, ValueError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    serve(settings)

@@ -1,0 +1,139 @@
+"""Router settings: flags > environment (``KVROUTE_*``) > YAML file > defaults.
+
+Names follow vLLM where the concept is vLLM's (``block_size``, ``hash_algo`` =
+``--prefix-caching-hash-algo``, ``seed`` = the NONE_HASH seed / PYTHONHASHSEED).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import yaml
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from router.policy import POLICIES
+
+__all__ = ["InstanceSpec", "RouterSettings", "load_settings", "parse_instance"]
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSpec:
+    """``URL[=EVENTS_ENDPOINT[,replay=ENDPOINT][,topic=T]]``."""
+
+    url: str
+    events: str | None = None
+    replay: str | None = None
+    topic: str = ""
+
+
+def parse_instance(text: str) -> InstanceSpec:
+    """Parse one ``--instance`` value; raises ValueError with the reason."""
+    url, _, rest = text.strip().partition("=")
+    url = url.rstrip("/")
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ValueError(f"instance URL must be http(s)://host:port, got {url!r}")
+    events = replay = None
+    topic = ""
+    if rest:
+        parts = rest.split(",")
+        events = parts[0] or None
+        for part in parts[1:]:
+            key, _, value = part.partition("=")
+            if key == "replay":
+                replay = value or None
+            elif key == "topic":
+                topic = value
+            else:
+                raise ValueError(f"unknown instance option {key!r} in {text!r}")
+        for ep in (events, replay):
+            if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"ZMQ endpoint must be tcp://, ipc:// or inproc://, got {ep!r}")
+    return InstanceSpec(url, events, replay, topic)
+
+
+class RouterSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVROUTE_", extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    instances: list[str] = Field(default_factory=list)
+    index: str = "memory"
+    policy: str = "cost"
+    model: str = "kvroute-sim"
+    block_size: int = Field(16, gt=0)
+    hash_algo: str = "sha256_cbor"
+    seed: str | None = None
+    tokenizer: str = "byte"  # "byte", a tokenizer.json path, or "remote" (instances' /tokenize)
+    temperature: float = Field(0.0, ge=0.0)
+    # Layout used until an instance's events teach it (e.g. engines that omit spec kinds):
+    # "full", "swa:WINDOW" or "mamba" beside full attention.
+    default_layout: str = "full"
+    prefill_s_per_token: float = Field(1e-4, gt=0)
+    load_s_per_token: float = Field(7e-6, ge=0)
+    request_overhead_s: float = Field(0.005, ge=0)
+    speculative_ttl_s: float = Field(2.0, ge=0)
+    health_interval_s: float = Field(2.0, gt=0)
+    health_timeout_s: float = Field(2.0, gt=0)
+    health_failures: int = Field(2, ge=1)
+    health_successes: int = Field(1, ge=1)
+    engine_metrics: bool = True  # poll instances' /metrics for their waiting queue
+    request_timeout_s: float = Field(600.0, gt=0)
+    connect_timeout_s: float = Field(2.0, gt=0)
+    max_retries: int = Field(2, ge=0)
+    max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    admin_token: str | None = None  # KVROUTE_ADMIN_TOKEN; unset disables the admin API
+    redis_block_ttl_s: int | None = None
+    log_level: str = "info"
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, v: str) -> str:
+        if v not in POLICIES:
+            raise ValueError(f"unknown policy {v!r}; expected one of {POLICIES}")
+        return v
+
+    @field_validator("instances")
+    @classmethod
+    def _instances(cls, v: list[str]) -> list[str]:
+        for text in v:
+            parse_instance(text)
+        return v
+
+    @field_validator("index")
+    @classmethod
+    def _index(cls, v: str) -> str:
+        if v not in ("memory", "memory://") and not v.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ValueError("index must be memory, redis://, rediss:// or unix://")
+        return v
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # init kwargs carry the flags (and the YAML underneath them, see load_settings).
+        return (init_settings, env_settings)
+
+
+def load_settings(flags: dict[str, Any], config: Path | None = None) -> RouterSettings:
+    """Merge YAML (lowest) < env (KVROUTE_*) < flags (highest, only those given)."""
+    from_file: dict[str, Any] = {}
+    if config is not None:
+        raw = yaml.safe_load(Path(config).read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{config}: expected a mapping of settings")
+        from_file = {k.replace("-", "_"): v for k, v in raw.items()}
+    env = RouterSettings().model_dump(exclude_unset=True)  # what the environment set
+    merged = {**from_file, **env, **{k: v for k, v in flags.items() if v is not None}}
+    return RouterSettings(**merged)

@@ -1,0 +1,161 @@
+"""The instances a router may forward to: their health and router-side load.
+
+Only registered instances are ever contacted (no URL from a request is followed). Health
+checks mark an instance down after ``failures`` consecutive failed probes and up after
+``successes`` good ones; a down instance gets no traffic and its residency is ignored by
+the scorer. Each probe also reads the engine's waiting queue from ``/metrics`` when
+exported (``vllm:num_requests_waiting``), which the cost policy adds to its queue term.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from router.config import InstanceSpec
+
+__all__ = ["Instance", "InstanceRegistry"]
+
+log = logging.getLogger(__name__)
+
+_WAITING = re.compile(rb"^vllm:num_requests_waiting(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
+
+
+@dataclass(eq=False)
+class Instance:
+    spec: InstanceSpec
+    healthy: bool = True  # optimistic until probes say otherwise
+    fails: int = 0
+    oks: int = 0
+    inflight_requests: int = 0  # forwarded, first byte not yet received
+    inflight_prefill_tokens: int = 0
+    running_requests: int = 0  # streams still open
+    engine_waiting: int = 0
+    served: int = 0
+    errors: int = 0
+    down_since: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+
+OnChange = Callable[[Instance, bool], Awaitable[None]]
+
+
+class InstanceRegistry:
+    """Registered instances plus a background health checker."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        *,
+        interval_s: float = 2.0,
+        timeout_s: float = 2.0,
+        failures: int = 2,
+        successes: int = 1,
+        read_metrics: bool = True,
+        on_change: OnChange | None = None,
+    ) -> None:
+        self._client = client
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.failures = failures
+        self.successes = successes
+        self.read_metrics = read_metrics
+        self.on_change = on_change
+        self._instances: dict[str, Instance] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- membership -------------------------------------------------------------------
+
+    def add(self, spec: InstanceSpec) -> Instance:
+        if spec.url in self._instances:
+            raise ValueError(f"instance {spec.url} is already registered")
+        inst = self._instances[spec.url] = Instance(spec)
+        return inst
+
+    def remove(self, url: str) -> Instance | None:
+        return self._instances.pop(url.rstrip("/"), None)
+
+    def get(self, url: str) -> Instance | None:
+        return self._instances.get(url)
+
+    def all(self) -> list[Instance]:
+        return list(self._instances.values())
+
+    def healthy(self) -> list[Instance]:
+        return [i for i in self._instances.values() if i.healthy]
+
+    # ---- health -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.probe_all()
+        self._task = asyncio.create_task(self._loop(), name="health-checker")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.probe_all()
+            except Exception:  # never let the checker die
+                log.exception("health check round failed")
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(i) for i in self.all()))
+
+    async def probe(self, inst: Instance) -> bool:
+        ok = False
+        try:
+            r = await self._client.get(f"{inst.url}/health", timeout=self.timeout_s)
+            ok = r.status_code == 200
+            if ok and self.read_metrics:
+                await self._read_waiting(inst)
+        except httpx.HTTPError:
+            ok = False
+        await self.report(inst, ok)
+        return ok
+
+    async def report(self, inst: Instance, ok: bool) -> None:
+        """Feed one observation (a probe, or a failed forward) into the thresholds."""
+        if ok:
+            inst.oks, inst.fails = inst.oks + 1, 0
+            if not inst.healthy and inst.oks >= self.successes:
+                inst.healthy = True
+                inst.down_since = None
+                log.info("instance %s is up", inst.url)
+                if self.on_change:
+                    await self.on_change(inst, True)
+        else:
+            inst.fails, inst.oks = inst.fails + 1, 0
+            if inst.healthy and inst.fails >= self.failures:
+                inst.healthy = False
+                inst.down_since = asyncio.get_running_loop().time()
+                log.warning("instance %s is down", inst.url)
+                if self.on_change:
+                    await self.on_change(inst, False)
+
+    async def _read_waiting(self, inst: Instance) -> None:
+        try:
+            r = await self._client.get(f"{inst.url}/metrics", timeout=self.timeout_s)
+        except httpx.HTTPError:
+            return
+        if r.status_code != 200:
+            self.read_metrics = self.read_metrics and r.status_code != 404
+            return
+        m = _WAITING.search(r.content)
+        if m:
+            inst.engine_waiting = int(float(m.group(1)))

@@ -1,0 +1,50 @@
+"""Build the router app from settings and serve it with uvicorn."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import AsyncIterator
+
+import uvicorn
+from fastapi import FastAPI
+
+from router.app import create_app
+from router.config import RouterSettings
+from router.state import RouterState
+
+__all__ = ["build_router", "serve"]
+
+
+def build_router(settings: RouterSettings) -> tuple[FastAPI, RouterState]:
+    state = RouterState(settings)
+    app = create_app(state)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app.router.lifespan_context = lifespan
+    return app, state
+
+
+def serve(settings: RouterSettings) -> None:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per forward is noise
+    app, _ = build_router(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=10,
+    )
+    for sig in (signal.SIGTERM, signal.SIGINT):  # exit 0 after uvicorn's graceful stop
+        signal.signal(sig, lambda *_: sys.exit(0))
+    uvicorn.Server(config).run()

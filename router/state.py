@@ -1,0 +1,169 @@
+"""Everything a running router holds, built from settings, started and stopped together."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import httpx
+
+from router.config import InstanceSpec, RouterSettings, parse_instance
+from router.decide import Router
+from router.index import open_index
+from router.ingest import IngestManager
+from router.instances import Instance, InstanceRegistry
+from router.layout import InstanceLayout, LayoutRegistry
+from router.metrics import RouterMetrics
+from router.policy import CostRates, make_policy
+from router.proxy import Forwarder
+from router.score import Scorer
+from router.speculative import SpeculativeResidency
+from router.tokenize import RoutingTokenizer
+
+__all__ = ["RouterState", "parse_layout"]
+
+log = logging.getLogger(__name__)
+
+
+def parse_layout(text: str, block_size: int) -> InstanceLayout:
+    """``full`` | ``swa:WINDOW`` | ``mamba`` (each beside one full-attention group)."""
+    from events.groups import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    full = FullAttentionSpec(block_size)
+    if text == "full":
+        return InstanceLayout((full,))
+    if text == "mamba":
+        return InstanceLayout((full, MambaSpec(block_size)))
+    if text.startswith("swa:") and text[4:].isdigit():
+        return InstanceLayout((full, SlidingWindowSpec(block_size, int(text[4:]))))
+    raise ValueError(f"default layout must be full, swa:WINDOW or mamba, got {text!r}")
+
+
+class RouterState:
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = s = settings
+        self.metrics = RouterMetrics()
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(s.request_timeout_s, connect=s.connect_timeout_s),
+            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512),
+        )
+        redis_opts: dict[str, Any] = {}
+        if s.index.startswith(("redis://", "rediss://", "unix://")):
+            redis_opts = {"model": s.model, "hash_algo": s.hash_algo, "hash_seed": s.seed}
+            if s.redis_block_ttl_s:
+                redis_opts["block_ttl_s"] = s.redis_block_ttl_s
+        self.index = open_index(s.index, **redis_opts)
+        self.layouts = LayoutRegistry(default=parse_layout(s.default_layout, s.block_size))
+        self.ingest = IngestManager(self.index, self.layouts, registry=self.metrics.registry)
+        self.registry = InstanceRegistry(
+            self.client,
+            interval_s=s.health_interval_s,
+            timeout_s=s.health_timeout_s,
+            failures=s.health_failures,
+            successes=s.health_successes,
+            read_metrics=s.engine_metrics,
+        )
+        self.policy = make_policy(
+            s.policy,
+            temperature=s.temperature,
+            rates=CostRates(s.prefill_s_per_token, s.load_s_per_token, s.request_overhead_s),
+        )
+        self.scorer = Scorer(self.index, self.layouts, full_only=s.policy == "prefix_full_only")
+        self.speculative = SpeculativeResidency(s.speculative_ttl_s)
+        self.router = Router(
+            registry=self.registry,
+            scorer=self.scorer,
+            index=self.index,
+            policy=self.policy,
+            tokenizer=RoutingTokenizer(s.tokenizer, self.client, self._any_healthy),
+            speculative=self.speculative,
+            metrics=self.metrics,
+            block_size=s.block_size,
+            hash_algo=s.hash_algo,
+            seed=s.seed,
+        )
+        self.forwarder = Forwarder(
+            self.client,
+            self.registry,
+            self.policy,
+            self.metrics,
+            max_retries=s.max_retries,
+            on_routed=self.router.routed,
+        )
+        self._layout_task: asyncio.Task[None] | None = None
+
+    def _any_healthy(self) -> str | None:
+        healthy = self.registry.healthy()
+        return healthy[0].url if healthy else None
+
+    async def start(self) -> None:
+        for text in self.settings.instances:
+            await self.add_instance(parse_instance(text), probe=False)
+        await self.registry.start()
+        self._layout_task = asyncio.create_task(self._share_layouts(), name="layouts")
+        log.info(
+            "router: %d instances, policy %s, index %s",
+            len(self.registry.all()),
+            self.policy.name,
+            self.settings.index,
+        )
+
+    async def stop(self) -> None:
+        if self._layout_task is not None:
+            self._layout_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._layout_task
+        await self.registry.close()
+        await self.ingest.close()
+        await self.index.close()
+        await self.client.aclose()
+
+    async def add_instance(self, spec: InstanceSpec, *, probe: bool = True) -> Instance:
+        inst = self.registry.add(spec)
+        if spec.events:
+            # With a replay endpoint, start from the publisher's buffer (seq 0): a router
+            # started after its engines then knows what they already hold.
+            await self.ingest.add_instance(
+                spec.url,
+                spec.events,
+                spec.replay,
+                topic=spec.topic,
+                start_seq=0 if spec.replay else None,
+            )
+        if probe:
+            await self.registry.probe(inst)
+        return inst
+
+    async def remove_instance(self, url: str) -> bool:
+        inst = self.registry.remove(url)
+        if inst is None:
+            return False
+        if inst.spec.events:
+            await self.ingest.remove_instance(inst.url)
+        else:
+            with contextlib.suppress(Exception):
+                await self.index.clear(inst.url)
+        self.speculative.forget(inst.url)
+        return True
+
+    async def _share_layouts(self) -> None:
+        """Readers of a shared index learn layouts from the ingesting router."""
+        while True:
+            await asyncio.sleep(2.0)
+            with contextlib.suppress(Exception):
+                await self.layouts.refresh_from(self.index)
+
+    def describe(self, inst: Instance) -> dict[str, Any]:
+        return {
+            "url": inst.url,
+            "events": inst.spec.events,
+            "replay": inst.spec.replay,
+            "healthy": inst.healthy,
+            "inflight_requests": inst.inflight_requests,
+            "running_requests": inst.running_requests,
+            "engine_waiting": inst.engine_waiting,
+            "served": inst.served,
+            "last_seq": self.ingest.last_seq(inst.url) if inst.spec.events else None,
+        }
