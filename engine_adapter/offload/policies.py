@@ -1,0 +1,199 @@
+"""Eviction policies for the CPU tier: LRU and ARC, over chunk keys.
+
+A chunk is readable once its store copy completed (``ref_cnt >= 0``), evictable only when
+idle (``ref_cnt == 0``: not being written, not being loaded). Both policies follow the
+behaviour of vLLM's CPU offloading manager (docs §5.3): ``touch`` walks the keys in
+reverse so the *first* key of a request ends up most recent and a prefix's tail chunks
+go first; ``evict`` is atomic (all ``n`` victims or nothing) and never picks a
+``protected`` key (the keys of the store being prepared).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+from typing import Protocol
+
+__all__ = ["ARCPolicy", "CachePolicy", "Chunk", "LRUPolicy", "make_policy"]
+
+Key = Hashable
+
+
+class Chunk:
+    """One CPU slot: ``ref_cnt`` -1 while its store copy runs, >0 while loads read it."""
+
+    __slots__ = ("ref_cnt", "slot")
+
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+        self.ref_cnt = -1
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ref_cnt >= 0
+
+
+class CachePolicy(Protocol):
+    def get(self, key: Key) -> Chunk | None: ...
+    def insert(self, key: Key, chunk: Chunk) -> None: ...
+    def remove(self, key: Key) -> None: ...
+    def touch(self, keys: Sequence[Key]) -> None: ...
+    def evict(self, n: int, protected: set[Key]) -> list[tuple[Key, Chunk]] | None: ...
+    def clear(self) -> None: ...
+    def items(self) -> Iterator[tuple[Key, Chunk]]: ...
+    def __len__(self) -> int: ...
+
+
+def _pick(entries: Iterable[tuple[Key, Chunk]], protected: set[Key]) -> Iterator[Key]:
+    for key, chunk in entries:
+        if chunk.ref_cnt == 0 and key not in protected:
+            yield key
+
+
+class LRUPolicy:
+    """Least recently stored/touched idle chunk goes first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._chunks: OrderedDict[Key, Chunk] = OrderedDict()
+
+    def get(self, key: Key) -> Chunk | None:
+        return self._chunks.get(key)
+
+    def insert(self, key: Key, chunk: Chunk) -> None:
+        self._chunks[key] = chunk
+
+    def remove(self, key: Key) -> None:
+        self._chunks.pop(key, None)
+
+    def touch(self, keys: Sequence[Key]) -> None:
+        chunks = self._chunks
+        for key in reversed(keys):
+            if key in chunks:
+                chunks.move_to_end(key)
+
+    def evict(self, n: int, protected: set[Key]) -> list[tuple[Key, Chunk]] | None:
+        if n <= 0:
+            return []
+        victims: list[Key] = []
+        for key in _pick(self._chunks.items(), protected):
+            victims.append(key)
+            if len(victims) == n:
+                break
+        if len(victims) < n:
+            return None
+        return [(key, self._chunks.pop(key)) for key in victims]
+
+    def clear(self) -> None:
+        self._chunks.clear()
+
+    def items(self) -> Iterator[tuple[Key, Chunk]]:
+        return iter(self._chunks.items())
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+
+class ARCPolicy:
+    """Adaptive Replacement Cache: T1 (seen once), T2 (seen again), ghosts B1/B2.
+
+    A ghost hit (a touched key that was recently evicted) moves ``target_t1_size``:
+    towards recency on a B1 hit, towards frequency on a B2 hit. Eviction takes from T1
+    while it is at least its target, else from T2.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.target_t1_size = 0.0
+        self.t1: OrderedDict[Key, Chunk] = OrderedDict()
+        self.t2: OrderedDict[Key, Chunk] = OrderedDict()
+        self.b1: OrderedDict[Key, None] = OrderedDict()
+        self.b2: OrderedDict[Key, None] = OrderedDict()
+
+    def get(self, key: Key) -> Chunk | None:
+        chunk = self.t1.get(key)
+        return chunk if chunk is not None else self.t2.get(key)
+
+    def insert(self, key: Key, chunk: Chunk) -> None:
+        self.t1[key] = chunk
+        self.b1.pop(key, None)
+        self.b2.pop(key, None)
+
+    def remove(self, key: Key) -> None:
+        if self.t1.pop(key, None) is None:
+            self.t2.pop(key, None)
+
+    def touch(self, keys: Sequence[Key]) -> None:
+        for key in reversed(keys):
+            if key in self.t1:
+                chunk = self.t1.pop(key)
+                if chunk.is_ready:
+                    self.t2[key] = chunk
+                else:  # still being written: not a second use
+                    self.t1[key] = chunk
+            elif key in self.t2:
+                self.t2.move_to_end(key)
+            elif key in self.b1:
+                delta = max(1.0, len(self.b2) / len(self.b1))
+                self.target_t1_size = min(self.target_t1_size + delta, float(self.capacity))
+            elif key in self.b2:
+                delta = max(1.0, len(self.b1) / len(self.b2))
+                self.target_t1_size = max(self.target_t1_size - delta, 0.0)
+
+    def evict(self, n: int, protected: set[Key]) -> list[tuple[Key, Chunk]] | None:
+        if n <= 0:
+            return []
+        t1_iter = _pick(self.t1.items(), protected)
+        t2_iter = _pick(self.t2.items(), protected)
+        chosen: list[tuple[Key, bool]] = []
+        virtual_t1 = len(self.t1)
+        for _ in range(n):
+            key = None
+            from_t1 = False
+            if virtual_t1 >= int(self.target_t1_size):
+                key = next(t1_iter, None)
+                from_t1 = key is not None
+            if key is None:
+                key = next(t2_iter, None)
+            if key is None:
+                key = next(t1_iter, None)
+                from_t1 = True
+                if key is None:
+                    return None
+            if from_t1:
+                virtual_t1 -= 1
+            chosen.append((key, from_t1))
+        out: list[tuple[Key, Chunk]] = []
+        for key, from_t1 in chosen:
+            if from_t1:
+                out.append((key, self.t1.pop(key)))
+                self.b1[key] = None
+            else:
+                out.append((key, self.t2.pop(key)))
+                self.b2[key] = None
+        for ghost in (self.b1, self.b2):
+            while len(ghost) > self.capacity:
+                ghost.popitem(last=False)
+        return out
+
+    def clear(self) -> None:
+        self.t1.clear()
+        self.t2.clear()
+        self.b1.clear()
+        self.b2.clear()
+        self.target_t1_size = 0.0
+
+    def items(self) -> Iterator[tuple[Key, Chunk]]:
+        yield from self.t1.items()
+        yield from self.t2.items()
+
+    def __len__(self) -> int:
+        return len(self.t1) + len(self.t2)
+
+
+def make_policy(name: str, capacity: int) -> CachePolicy:
+    if name == "lru":
+        return LRUPolicy(capacity)
+    if name == "arc":
+        return ARCPolicy(capacity)
+    raise ValueError(f"unknown offload cache policy {name!r}; expected 'lru' or 'arc'")

@@ -1,0 +1,85 @@
+"""A request as the KV cache sees it: tokens, chained block hashes, progress.
+
+Block hashes are computed once, incrementally, as tokens arrive (full blocks only), the
+way vLLM's ``Request.block_hashes`` is: everything downstream (cache keys, events, offload
+keys) reads them instead of re-hashing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from events.hashing import hash_request_blocks, wire_hash
+
+__all__ = ["Request"]
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence: prompt + generated tokens and their block hashes.
+
+    ``num_computed_tokens`` is advanced by ``KVCacheManager.allocate_slots`` when tokens
+    are scheduled (as vLLM's scheduler does at schedule time).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    block_size: int = 16
+    hash_algo: str = "sha256_cbor"
+    hash_seed: str | None = None
+    lora_name: str | None = None
+    lora_path: str | None = None
+    all_token_ids: list[int] = field(init=False)
+    block_hashes: list[bytes] = field(init=False, default_factory=list)
+    wire_hashes: list[int] = field(init=False, default_factory=list)
+    num_computed_tokens: int = field(init=False, default=0)
+    num_gpu_hit_tokens: int = field(init=False, default=0)
+    num_cpu_hit_tokens: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.all_token_ids = list(self.prompt_token_ids)
+        self._update_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        """Append generated tokens; blocks that become full get their hashes now."""
+        if isinstance(token_ids, int):
+            self.all_token_ids.append(token_ids)
+        else:
+            self.all_token_ids.extend(token_ids)
+        self._update_block_hashes()
+
+    def _extra_keys(self, num_blocks: int) -> list[tuple[Any, ...] | None] | None:
+        # vLLM 0.33 tags the LoRA key as ("lora", name, path) on every block.
+        if self.lora_name is None:
+            return None
+        return [(("lora", self.lora_name, self.lora_path),)] * num_blocks
+
+    def _update_block_hashes(self) -> None:
+        bs = self.block_size
+        done = len(self.block_hashes)
+        new_blocks = self.num_tokens // bs - done
+        if new_blocks <= 0:
+            return
+        tokens = self.all_token_ids[done * bs : (done + new_blocks) * bs]
+        parent = self.block_hashes[-1] if self.block_hashes else None
+        new = hash_request_blocks(
+            tokens,
+            bs,
+            self.hash_algo,
+            self.hash_seed,
+            self._extra_keys(new_blocks),
+            parent=parent,
+        )
+        self.block_hashes.extend(new)
+        self.wire_hashes.extend(wire_hash(h) for h in new)

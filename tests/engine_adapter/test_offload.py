@@ -1,0 +1,324 @@
+"""CPU offload tier: when chunks are stored and published, how lookups extend GPU hits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from ea_helpers import EventState, admit, decode, events_of, prefill, tokens
+
+from engine_adapter.coordinator import KVCacheManager
+from engine_adapter.offload import OffloadConfig
+from engine_adapter.offload.lookup import touch_keys
+from engine_adapter.profiles import get_profile
+from events.offload_hit import offload_hit
+from events.structs import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
+
+BS = 16
+
+
+def make_kv(
+    profile: str, num_blocks: int = 64, chunks: int = 64, k: int = 4, **kw
+) -> KVCacheManager:
+    cfg = OffloadConfig(
+        num_cpu_chunks=chunks,
+        blocks_per_chunk=k,
+        policy=kw.pop("policy", "lru"),
+        self_describing=kw.pop("self_describing", True),
+        offload_prompt_only=kw.pop("offload_prompt_only", True),
+    )
+    prof = get_profile(profile, sliding_window=64, page_bytes=256)
+    return KVCacheManager(prof, num_blocks, offload=cfg, **kw)
+
+
+def cpu_events(events: list[object]) -> list[object]:
+    return [e for e in events if getattr(e, "medium", None) == MEDIUM_CPU]
+
+
+def evict_gpu(kv: KVCacheManager, rng: random.Random, num_tokens: int, state: EventState) -> None:
+    """Run a throwaway request that recycles ``num_tokens // 16`` blocks per group."""
+    f = kv.new_request(f"flood{rng.random()}", tokens(rng, num_tokens))
+    prefill(kv, f, state)
+    kv.free(f)
+    kv.flush()
+    state.apply_batch(kv.step_events())
+
+
+def end_step(kv: KVCacheManager) -> list[object]:
+    """End a step, then wait for its copies: all events, CPU ones included."""
+    events = events_of(kv.step_events())
+    kv.flush()
+    return events + events_of(kv.step_events())
+
+
+def drop_gpu(kv: KVCacheManager, req, group: int, indices: range) -> None:
+    """Evict exactly these cached blocks of ``req`` from the GPU (as if reused)."""
+    pool = kv.pools[group]
+    for i in indices:
+        block = pool.get_cached((req.block_hashes[i], group))
+        assert block is not None
+        pool.touch([block])
+        pool._evict(block)
+        pool.free_blocks([block])
+
+
+def expected_hit(kv: KVCacheManager, state: EventState, req) -> tuple[int, int]:
+    return offload_hit(
+        kv.specs,
+        state.pred(req, MEDIUM_GPU),
+        state.pred(req, MEDIUM_CPU),
+        req.num_tokens,
+        kv.tokens_per_chunk,
+    )
+
+
+def test_cpu_events_published_only_after_copy_completes() -> None:
+    kv = make_kv("swa-hybrid")
+    rng = random.Random(0)
+    hold = True
+    real_is_done = kv.offload.transfer.is_done
+    kv.offload.transfer.is_done = lambda job: not hold and real_is_done(job)
+    req = kv.new_request("r", tokens(rng, 128 + 5))
+    admit(kv, req)
+    first = events_of(kv.step_events())
+    assert cpu_events(first) == [] and first  # GPU events only: copies not observed yet
+    assert not any(m == MEDIUM_CPU for (_, _, m) in kv.residency())
+    hold = False
+    kv.flush()
+    stored = cpu_events(events_of(kv.step_events()))
+    assert [(e.group_idx, e.block_hashes) for e in stored] == [
+        (g, req.wire_hashes[c * 4 : c * 4 + 4]) for g in (0, 1) for c in (0, 1)
+    ]
+    ev = stored[1]
+    assert isinstance(ev, BlockStored)
+    assert ev.parent_block_hash == req.wire_hashes[3]
+    assert ev.token_ids == req.all_token_ids[64:128]
+    assert ev.block_size == BS and ev.extra_keys is None
+    assert ev.kv_cache_spec_kind == "full_attention"
+    assert stored[2].kv_cache_spec_kind == "sliding_window"
+    assert stored[2].kv_cache_spec_sliding_window == 64
+    kv.close()
+
+
+@pytest.mark.parametrize("profile", ["swa-hybrid", "mamba-hybrid"])
+def test_cpu_hit_extends_gpu_hit_across_groups(profile: str) -> None:
+    kv = make_kv(profile, num_blocks=64)
+    state = EventState()
+    rng = random.Random(1)
+    prompt = tokens(rng, 320)  # 20 blocks, 5 chunks per group
+    a = kv.new_request("a", prompt)
+    admit(kv, a, chunk=192)  # Mamba states cached at 192 and 320
+    state.apply_batch(kv.step_events())
+    assert kv.allocate_slots(a, 128)
+    kv.free(a)
+    kv.flush()
+    state.apply_batch(kv.step_events())
+    drop_gpu(kv, a, 0, range(12, 20))  # full attention keeps 12 blocks on GPU
+    if profile == "mamba-hybrid":
+        drop_gpu(kv, a, 1, range(19, 20))  # the state at 320 is only on CPU
+    state.apply_batch(kv.step_events())
+    probe = kv.new_request("p", [*prompt, *tokens(rng, 10)])
+    gpu, cpu = kv.lookup(probe)
+    assert (gpu, cpu) == (192, 128) == expected_hit(kv, state, probe)
+    assert kv.allocate_slots(probe, probe.num_tokens - gpu - cpu, gpu, cpu)
+    assert probe.num_cpu_hit_tokens == cpu and probe.num_computed_tokens == probe.num_tokens
+    ids = kv.get_block_ids(probe)
+    assert None not in ids[0]
+    held = [i for i, b in enumerate(ids[1]) if b is not None]
+    # SWA: the window before 320 (blocks 16..19) + new; Mamba: loaded state + running
+    assert held == ([16, 17, 18, 19, 20] if profile == "swa-hybrid" else [19, 20])
+    events = events_of(kv.step_events())
+    state.apply(events)
+    gpu_stored = [e for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM_GPU]
+    assert gpu_stored[0].block_hashes == probe.wire_hashes[12:20]  # loaded blocks cached
+    assert gpu_stored[1].block_hashes == probe.wire_hashes[16:20] or profile == "mamba-hybrid"
+    assert state.counts == kv.residency()
+    kv.close()
+
+
+def test_cpu_hit_needs_a_whole_chunk_beyond_gpu_hit() -> None:
+    kv = make_kv("full", num_blocks=9)
+    state = EventState()
+    rng = random.Random(2)
+    prompt = tokens(rng, 128)
+    a = kv.new_request("a", prompt)
+    prefill(kv, a, state)
+    kv.free(a)
+    kv.flush()
+    state.apply_batch(kv.step_events())
+    evict_gpu(kv, rng, 32, state)  # takes the never-used block, then a's tail (block 7)
+    probe = kv.new_request("p", [*prompt, 1])
+    assert kv.get_computed_blocks(probe) == 112
+    assert kv.is_cached_on_gpu(probe, 0, 6) and kv.offload.is_ready((probe.block_hashes[7], 0))
+    assert kv.lookup(probe) == (112, 0) == expected_hit(kv, state, probe)
+    kv.close()
+
+
+def test_full_attention_cpu_hit_may_cover_the_whole_prompt() -> None:
+    kv = make_kv("full", num_blocks=16)
+    state = EventState()
+    rng = random.Random(3)
+    prompt = tokens(rng, 128)
+    a = kv.new_request("a", prompt)
+    prefill(kv, a, state)
+    kv.free(a)
+    kv.flush()
+    state.apply_batch(kv.step_events())
+    evict_gpu(kv, rng, 256, state)  # every GPU block recycled
+    probe = kv.new_request("p", prompt)
+    gpu, cpu = kv.lookup(probe)
+    # Full attention only: the cap is num_tokens, not num_tokens - 1 (vLLM loads the
+    # last chunk and recomputes the last token).
+    assert (gpu, cpu) == (0, 128) == expected_hit(kv, state, probe)
+    assert kv.allocate_slots(probe, 1, gpu, cpu)
+    assert probe.num_computed_tokens == 128
+    assert kv.get_computed_blocks(kv.new_request("q", [*prompt, 1])) == 128
+    kv.close()
+
+
+def test_swa_cpu_lookup_needs_only_the_last_window_of_chunks() -> None:
+    kv = make_kv("swa-hybrid", num_blocks=48, chunks=64)
+    state = EventState()
+    rng = random.Random(4)
+    prompt = tokens(rng, 320)
+    a = kv.new_request("a", prompt)
+    prefill(kv, a, state)
+    kv.free(a)
+    kv.flush()
+    state.apply_batch(kv.step_events())
+    # Drop the SWA group's early chunks 0..2 from the CPU tier (as evictions would).
+    off = kv.offload
+    victims = []
+    for c in range(3):
+        key = (a.block_hashes[c * 4 + 3], 1)
+        victims.append((key, off.policy.get(key)))
+        off.policy.remove(key)
+    off._drop(victims)
+    evict_gpu(kv, rng, 48 * BS // 2, state)  # recycle every GPU block
+    probe = kv.new_request("p", [*prompt, 9])
+    assert kv.get_computed_blocks(probe) == 0
+    assert kv.lookup(probe) == (0, 320) == expected_hit(kv, state, probe)
+    assert kv.allocate_slots(probe, 1, 0, 320)
+    swa = kv.get_block_ids(probe)[1]
+    # Only the window before 320 is loaded: cdiv(63, 16) = 4 blocks (chunk 4)
+    assert [i for i, b in enumerate(swa) if b is not None] == [16, 17, 18, 19, 20]
+    kv.close()
+
+
+def test_cpu_removed_events_fan_out_to_the_stored_hashes() -> None:
+    kv = make_kv("full", num_blocks=32, chunks=2)
+    rng = random.Random(5)
+    a = kv.new_request("a", tokens(rng, 128))
+    admit(kv, a)
+    stored = cpu_events(end_step(kv))
+    assert [e.block_hashes for e in stored] == [a.wire_hashes[0:4], a.wire_hashes[4:8]]
+    b = kv.new_request("b", tokens(rng, 128))
+    admit(kv, b)  # needs both CPU slots: a's chunks go, tail chunk first
+    removed = [e for e in end_step(kv) if isinstance(e, BlockRemoved)]
+    assert [(e.group_idx, e.medium, e.block_hashes) for e in removed] == [
+        (0, MEDIUM_CPU, a.wire_hashes[4:8] + a.wire_hashes[0:4])
+    ]
+    assert {h for (_, h, m) in kv.residency() if m == MEDIUM_CPU} == set(b.wire_hashes[:8])
+    kv.close()
+
+
+def test_placeholder_mode_emits_vllm_legacy_cpu_events() -> None:
+    kv = make_kv("swa-hybrid", chunks=2, self_describing=False)
+    state = EventState()
+    rng = random.Random(6)
+    a = kv.new_request("a", tokens(rng, 64))
+    admit(kv, a)
+    events = end_step(kv)
+    state.apply(events)
+    stored = cpu_events(events)
+    assert [
+        (e.group_idx, e.block_hashes, e.token_ids, e.block_size, e.parent_block_hash)
+        for e in stored
+    ] == [(g, [a.wire_hashes[3]], [], 0, None) for g in (0, 1)]
+    b = kv.new_request("b", tokens(rng, 64))
+    admit(kv, b)  # its store evicts a's chunk in both groups
+    events = end_step(kv)
+    state.apply(events)
+    removed = [e for e in events if isinstance(e, BlockRemoved)]
+    assert sorted((e.group_idx, e.block_hashes, e.medium) for e in removed) == [
+        (0, [a.wire_hashes[3]], MEDIUM_CPU),
+        (1, [a.wire_hashes[3]], MEDIUM_CPU),
+    ]
+    assert state.counts == kv.residency()
+    kv.close()
+
+
+def test_stores_skip_chunks_already_offloaded() -> None:
+    kv = make_kv("full")
+    rng = random.Random(7)
+    prompt = tokens(rng, 128)
+    admit(kv, kv.new_request("a", prompt))
+    assert len(cpu_events(end_step(kv))) == 2
+    b = kv.new_request("b", [*prompt, 3])
+    admit(kv, b)
+    assert cpu_events(end_step(kv)) == []
+    kv.close()
+
+
+@pytest.mark.parametrize("prompt_only", [True, False])
+def test_decode_chunks_offloaded_only_when_not_prompt_only(prompt_only: bool) -> None:
+    kv = make_kv("full", offload_prompt_only=prompt_only)
+    rng = random.Random(8)
+    req = kv.new_request("r", tokens(rng, 64))
+    admit(kv, req)
+    kv.step_events()
+    for t in range(64):
+        decode(kv, req, t)
+        kv.step_events()
+    kv.flush()
+    kv.step_events()
+    assert kv.offload.is_ready((req.block_hashes[3], 0))
+    assert kv.offload.is_ready((req.block_hashes[7], 0)) is (not prompt_only)
+    kv.close()
+
+
+def test_reset_prefix_cache_clears_the_cpu_tier_too() -> None:
+    kv = make_kv("mamba-hybrid")
+    state = EventState()
+    rng = random.Random(9)
+    a = kv.new_request("a", tokens(rng, 128))
+    prefill(kv, a, state)
+    kv.free(a)
+    assert kv.reset_prefix_cache()
+    events = events_of(kv.step_events())
+    state.apply(events)
+    assert isinstance(events[-1], AllBlocksCleared)
+    assert not kv.residency() and not state.counts
+    assert kv.lookup(kv.new_request("b", a.all_token_ids)) == (0, 0)
+    kv.close()
+
+
+def test_lookup_touches_whole_prefix_for_full_and_last_window_for_swa() -> None:
+    kv = make_kv("swa-hybrid")
+    req = kv.new_request("r", tokens(random.Random(10), 330))  # 5 whole chunks
+    keys = touch_keys(kv.specs, req, 4)
+    full = [(req.block_hashes[c * 4 + 3], 0) for c in range(5)]
+    swa = [(req.block_hashes[4 * 4 + 3], 1)]  # window 64 tokens = 1 chunk
+    assert keys == full + swa
+    kv.close()
+
+
+def test_lookup_recency_protects_a_touched_prefix_from_eviction() -> None:
+    kv = make_kv("full", chunks=4)
+    state = EventState()
+    rng = random.Random(11)
+    a = kv.new_request("a", tokens(rng, 128))
+    b = kv.new_request("b", tokens(rng, 128))
+    for r in (a, b):
+        prefill(kv, r, state)
+        kv.free(r)
+        kv.flush()
+        state.apply_batch(kv.step_events())
+    kv.lookup(kv.new_request("a2", a.all_token_ids))  # touch: a becomes most recent
+    c = kv.new_request("c", tokens(rng, 128))
+    prefill(kv, c, state)
+    kv.flush()
+    state.apply_batch(kv.step_events())
+    assert kv.offload.is_ready((a.block_hashes[7], 0))
+    assert not kv.offload.is_ready((b.block_hashes[7], 0))
+    kv.close()
