@@ -1,0 +1,46 @@
+"""Block index: which instance holds which block, per KV cache group and tier.
+
+``open_index(url)`` picks the backend: ``None``/``memory://`` -> ``MemoryIndex`` (embedded
+default), ``redis://``, ``rediss://``, ``unix://`` -> ``RedisIndex`` (shared by routers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.index.base import (
+    NUM_TIERS,
+    ApplyResult,
+    BlockIndex,
+    Residency,
+    Tier,
+    slot_of,
+    tier_of,
+    to_wire,
+)
+from router.index.memory import MemoryIndex
+
+__all__ = [
+    "NUM_TIERS",
+    "ApplyResult",
+    "BlockIndex",
+    "MemoryIndex",
+    "Residency",
+    "Tier",
+    "open_index",
+    "slot_of",
+    "tier_of",
+    "to_wire",
+]
+
+
+def open_index(url: str | None = None, **redis_options: Any) -> BlockIndex:
+    """The index for ``url``; ``redis_options`` go to ``RedisIndex`` (model, hash_algo,
+    hash_seed, namespace, instance_ttl_s, block_ttl_s)."""
+    if url is None or url in ("memory", "memory://"):
+        return MemoryIndex()
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from router.index.redis_index import RedisIndex
+
+        return RedisIndex(url, **redis_options)
+    raise ValueError(f"unsupported index URL {url!r}: use memory://, redis://, rediss://, unix://")

@@ -1,0 +1,144 @@
+"""The block index protocol and the small vocabulary both backends share.
+
+An index remembers, per instance, which wire block hashes it holds in which KV cache group
+on which tier, and answers lookups as bitmasks over a request's block positions -- the
+shape ``events.groups.longest_cache_hit_masks`` consumes, so scoring needs no re-indexing.
+Residency is keyed by a *slot* = ``group_idx * NUM_TIERS + tier`` (one small int).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from events.structs import ExternalBlockHash, KVEventBatch
+
+__all__ = [
+    "NUM_TIERS",
+    "ApplyResult",
+    "BlockIndex",
+    "Residency",
+    "Tier",
+    "columns_from_rows",
+    "slot_of",
+    "tier_of",
+    "to_wire",
+]
+
+_U64 = (1 << 64) - 1
+
+
+class Tier(IntEnum):
+    """Where a block lives. ``STORAGE`` (and any other non-GPU medium) counts as CPU: it is
+    loadable rather than resident, and refcounts keep a block held on both correct."""
+
+    GPU = 0
+    CPU = 1
+
+
+NUM_TIERS = 2
+
+# slot -> bitmask over the request's block positions (bit i <=> block_hashes[i] resident).
+Residency = dict[int, int]
+
+
+def tier_of(medium: str | None) -> Tier:
+    """vLLM's ``medium``: None (older engines) and "GPU" are the GPU tier, the rest CPU."""
+    return Tier.GPU if medium is None or medium == "GPU" else Tier.CPU
+
+
+def slot_of(group_idx: int | None, tier: int) -> int:
+    return (group_idx or 0) * NUM_TIERS + tier
+
+
+def to_wire(h: ExternalBlockHash) -> int:
+    """A wire hash as u64: ints pass through, raw digests give their low 64 bits (BE)."""
+    if type(h) is int:
+        return h & _U64
+    if isinstance(h, bytes | bytearray | memoryview):
+        return int.from_bytes(bytes(h)[-8:], "big")
+    raise TypeError(f"block hash must be int or bytes, got {type(h).__name__}")
+
+
+@dataclass(slots=True)
+class ApplyResult:
+    """What one ``apply`` did; ``applied=False`` means the batch was already applied (by this
+    or another ingester sharing the index) or is older than what was applied."""
+
+    applied: bool
+    stored: int = 0  # block entries stored (duplicates included: they bump a refcount)
+    removed: int = 0  # block entries released
+    unknown: int = 0  # removals of entries the index did not hold
+    cleared: int = 0  # (instance, slot) columns dropped by AllBlocksCleared / reset
+
+
+@runtime_checkable
+class BlockIndex(Protocol):
+    """Per-instance, per-group, per-tier residency of wire block hashes."""
+
+    async def apply(
+        self, instance: str, batch: KVEventBatch, *, seq: int | None = None, reset: bool = False
+    ) -> ApplyResult:
+        """Apply a whole batch atomically.
+
+        With ``seq``, the batch is applied only if ``(batch.ts, seq)`` is newer than the last
+        applied one, so two ingesters of the same source never double count. ``reset`` drops
+        the instance's state first (source restarted / batches lost), in the same step.
+        """
+        ...
+
+    async def lookup(
+        self, block_hashes: Sequence[int], instances: Sequence[str] | None = None
+    ) -> dict[str, Residency]:
+        """Residency of each position of ``block_hashes``; instances holding none are absent."""
+        ...
+
+    async def clear(self, instance: str) -> None:
+        """Forget everything about ``instance`` (blocks and cursor); O(its blocks)."""
+        ...
+
+    async def instances(self) -> list[str]: ...
+
+    async def cursor(self, instance: str) -> tuple[float, int] | None:
+        """``(ts, seq)`` of the last batch applied with a seq, or None."""
+        ...
+
+    async def touch(self, instance: str) -> None:
+        """Mark the instance's ingester alive (shared backends expire silent instances)."""
+        ...
+
+    async def put_layout(self, instance: str, layout: dict[str, Any] | None) -> None:
+        """Share an instance's learned group layout with readers (None deletes it)."""
+        ...
+
+    async def get_layouts(self) -> dict[str, dict[str, Any]]: ...
+
+    async def close(self) -> None: ...
+
+
+def columns_from_rows(
+    buf: bytes, rows: int, width: int, cols: Iterable[int], bitorder: str
+) -> dict[int, int]:
+    """Transpose ``rows`` fixed-width bitsets (row i = block i) into per-column masks.
+
+    ``buf`` holds the rows back to back, ``width`` bytes each, with ``bitorder`` "little"
+    (Python ints) or "big" (Redis SETBIT). Returns {column: int with bit i = row i's bit}.
+    numpy does the transpose; a Python loop over rows x columns would cost milliseconds.
+    """
+    bits = np.unpackbits(np.frombuffer(buf, dtype=np.uint8), bitorder=bitorder)  # type: ignore[arg-type]
+    # Transpose to a contiguous (columns, rows) matrix first: packbits on a strided view
+    # is several times slower.
+    cols_by_row = np.ascontiguousarray(bits.reshape(rows, width * 8).T)
+    packed = np.packbits(cols_by_row, axis=1, bitorder="little").tobytes()
+    stride = (rows + 7) // 8
+    out = {}
+    from_bytes = int.from_bytes
+    for c in cols:
+        v = from_bytes(packed[c * stride : (c + 1) * stride], "little")
+        if v:
+            out[c] = v
+    return out

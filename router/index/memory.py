@@ -1,0 +1,319 @@
+"""In-memory block index: the embedded default.
+
+Layout, chosen for bytes per entry and O(1) per event block:
+
+* ``_blocks: dict[hash, int]`` -- one entry per distinct wire hash; the value is a bitset
+  over *columns*, a column being one (instance, slot) pair. Bitset ints are interned, so
+  the many blocks sharing a holder set share one int object.
+* ``_logs[col]: array('Q')`` -- the reverse index: hashes the column ever stored (8 bytes
+  each), compacted when more than half are stale. Clearing an instance walks only its logs.
+* ``_dups: dict[(hash, col), extra]`` -- refcounts above 1 (vLLM does not deduplicate
+  physical blocks); rare, so it costs nothing when unused.
+
+Lookups transpose the per-block bitsets into per-column masks with numpy.
+"""
+
+from __future__ import annotations
+
+import heapq
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from events.structs import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from router.index.base import (
+    ApplyResult,
+    Residency,
+    columns_from_rows,
+    slot_of,
+    tier_of,
+    to_wire,
+)
+
+__all__ = ["MemoryIndex"]
+
+_INTERN_MAX = 1 << 16
+
+
+@dataclass(slots=True)
+class _Instance:
+    cols: dict[int, int] = field(default_factory=dict)  # slot -> column
+    cursor: tuple[float, int] | None = None
+
+
+class MemoryIndex:
+    """Process-local ``BlockIndex``; sync ``*_sync`` methods are the fast paths."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[int, int] = {}
+        self._dups: dict[tuple[int, int], int] = {}
+        self._ints: dict[int, int] = {}
+        self._logs: list[array | None] = []
+        self._live: list[int] = []
+        self._owner: list[tuple[str, int] | None] = []
+        self._free: list[int] = []
+        self._inst: dict[str, _Instance] = {}
+        self._layouts: dict[str, dict[str, Any]] = {}
+
+    # ---- protocol (async wrappers) -----------------------------------------------------
+
+    async def apply(
+        self, instance: str, batch: KVEventBatch, *, seq: int | None = None, reset: bool = False
+    ) -> ApplyResult:
+        return self.apply_sync(instance, batch, seq=seq, reset=reset)
+
+    async def lookup(
+        self, block_hashes: Sequence[int], instances: Sequence[str] | None = None
+    ) -> dict[str, Residency]:
+        return self.lookup_sync(block_hashes, instances)
+
+    async def clear(self, instance: str) -> None:
+        self.clear_sync(instance)
+
+    async def instances(self) -> list[str]:
+        return list(self._inst)
+
+    async def cursor(self, instance: str) -> tuple[float, int] | None:
+        st = self._inst.get(instance)
+        return st.cursor if st else None
+
+    async def touch(self, instance: str) -> None:
+        return None
+
+    async def put_layout(self, instance: str, layout: dict[str, Any] | None) -> None:
+        if layout is None:
+            self._layouts.pop(instance, None)
+        else:
+            self._layouts[instance] = layout
+
+    async def get_layouts(self) -> dict[str, dict[str, Any]]:
+        return dict(self._layouts)
+
+    async def close(self) -> None:
+        return None
+
+    # ---- writes ------------------------------------------------------------------------
+
+    def apply_sync(
+        self, instance: str, batch: KVEventBatch, *, seq: int | None = None, reset: bool = False
+    ) -> ApplyResult:
+        st = self._inst.get(instance)
+        cur = st.cursor if st is not None else None
+        if seq is not None and cur is not None and (batch.ts, seq) <= cur:
+            return ApplyResult(applied=False)
+        if st is None:
+            st = self._inst[instance] = _Instance()
+        res = ApplyResult(applied=True)
+        if reset:
+            res.cleared += self._drop(st)
+        for ev in batch.events:
+            t = type(ev)
+            if t is BlockStored:
+                col = self._column(instance, st, slot_of(ev.group_idx, tier_of(ev.medium)))
+                res.stored += self._store(col, ev.block_hashes)
+            elif t is BlockRemoved:
+                col = st.cols.get(slot_of(ev.group_idx, tier_of(ev.medium)))
+                if col is None:
+                    res.unknown += len(ev.block_hashes)
+                else:
+                    n = self._remove(col, ev.block_hashes)
+                    res.removed += n
+                    res.unknown += len(ev.block_hashes) - n
+            elif t is AllBlocksCleared:
+                res.cleared += self._drop(st)
+        if seq is not None:
+            st.cursor = (batch.ts, seq)
+        if len(self._ints) > _INTERN_MAX:
+            self._ints.clear()  # only loses sharing for future bitsets
+        return res
+
+    def clear_sync(self, instance: str) -> None:
+        st = self._inst.pop(instance, None)
+        if st is not None:
+            self._drop(st)
+
+    def _column(self, instance: str, st: _Instance, slot: int) -> int:
+        col = st.cols.get(slot)
+        if col is not None:
+            return col
+        if self._free:
+            col = heapq.heappop(self._free)
+        else:
+            col = len(self._logs)
+            self._logs.append(None)
+            self._live.append(0)
+            self._owner.append(None)
+        self._logs[col] = array("Q")
+        self._live[col] = 0
+        self._owner[col] = (instance, slot)
+        st.cols[slot] = col
+        return col
+
+    def _store(self, col: int, hashes: Iterable[Any]) -> int:
+        bit = 1 << col
+        blocks = self._blocks
+        get = blocks.get
+        canon = self._ints.setdefault
+        log = self._logs[col]
+        assert log is not None
+        append = log.append
+        new = n = 0
+        for h in hashes:
+            if type(h) is not int or h < 0 or h >> 64:
+                h = to_wire(h)
+            n += 1
+            v = get(h, 0)
+            if v & bit:
+                key = (h, col)
+                self._dups[key] = self._dups.get(key, 0) + 1
+            else:
+                v |= bit
+                blocks[h] = canon(v, v)
+                append(h)
+                new += 1
+        self._live[col] += new
+        return n
+
+    def _remove(self, col: int, hashes: Iterable[Any]) -> int:
+        bit = 1 << col
+        blocks = self._blocks
+        get = blocks.get
+        canon = self._ints.setdefault
+        dups = self._dups
+        done = released = 0
+        for h in hashes:
+            if type(h) is not int or h < 0 or h >> 64:
+                h = to_wire(h)
+            v = get(h, 0)
+            if not v & bit:
+                continue
+            done += 1
+            if dups:
+                key = (h, col)
+                extra = dups.get(key)
+                if extra:
+                    if extra == 1:
+                        del dups[key]
+                    else:
+                        dups[key] = extra - 1
+                    continue
+            v ^= bit
+            if v:
+                blocks[h] = canon(v, v)
+            else:
+                del blocks[h]
+            released += 1
+        if released:
+            self._live[col] -= released
+            log = self._logs[col]
+            assert log is not None
+            if len(log) > 2 * self._live[col] + 64:
+                self._compact(col)
+        return done
+
+    def _compact(self, col: int) -> None:
+        """Rewrite a column's log without stale or repeated hashes (amortised O(1))."""
+        bit = 1 << col
+        get = self._blocks.get
+        log = self._logs[col]
+        assert log is not None
+        self._logs[col] = array("Q", dict.fromkeys(h for h in log if get(h, 0) & bit))
+
+    def _drop(self, st: _Instance) -> int:
+        """Drop the instance's columns: O(entries they ever logged)."""
+        n = len(st.cols)
+        for col in st.cols.values():
+            self._drop_column(col)
+        st.cols.clear()
+        return n
+
+    def _drop_column(self, col: int) -> None:
+        bit = 1 << col
+        blocks = self._blocks
+        get = blocks.get
+        canon = self._ints.setdefault
+        log = self._logs[col]
+        assert log is not None
+        for h in log:
+            v = get(h, 0)
+            if v & bit:
+                v ^= bit
+                if v:
+                    blocks[h] = canon(v, v)
+                else:
+                    del blocks[h]
+        if self._dups:
+            for key in [k for k in self._dups if k[1] == col]:
+                del self._dups[key]
+        self._logs[col] = None
+        self._live[col] = 0
+        self._owner[col] = None
+        heapq.heappush(self._free, col)
+
+    # ---- reads -------------------------------------------------------------------------
+
+    def lookup_sync(
+        self, block_hashes: Sequence[int], instances: Sequence[str] | None = None
+    ) -> dict[str, Residency]:
+        get = self._blocks.get
+        try:
+            vals = [get(h, 0) for h in block_hashes]
+        except TypeError:  # unhashable / bytes digests: normalise once
+            vals = [get(to_wire(h), 0) for h in block_hashes]
+        any_bits = 0
+        for v in vals:
+            any_bits |= v
+        if instances is not None:
+            want = 0
+            for name in instances:
+                st = self._inst.get(name)
+                if st is not None:
+                    for col in st.cols.values():
+                        want |= 1 << col
+            any_bits &= want
+        if not any_bits:
+            return {}
+        cols = _bits(any_bits)
+        if len(cols) == 1:
+            bit = 1 << cols[0]
+            mask = 0
+            for i, v in enumerate(vals):
+                if v & bit:
+                    mask |= 1 << i
+            per_col = {cols[0]: mask}
+        else:
+            # Few distinct bitsets (holder sets) cover all positions: convert each once.
+            width = (any_bits.bit_length() + 7) // 8
+            if instances is None:
+                rows = {v: v.to_bytes(width, "little") for v in set(vals)}
+            else:
+                rows = {v: (v & any_bits).to_bytes(width, "little") for v in set(vals)}
+            buf = b"".join(map(rows.__getitem__, vals))
+            per_col = columns_from_rows(buf, len(vals), width, cols, "little")
+        out: dict[str, Residency] = {}
+        owner = self._owner
+        for col, mask in per_col.items():
+            who = owner[col]
+            if who is not None:
+                out.setdefault(who[0], {})[who[1]] = mask
+        return out
+
+    # ---- introspection (tests, benchmarks) ---------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "blocks": len(self._blocks),
+            "entries": sum(self._live),
+            "columns": sum(1 for o in self._owner if o is not None),
+            "duplicates": sum(self._dups.values()),
+        }
+
+
+def _bits(x: int) -> list[int]:
+    out = []
+    while x:
+        low = x & -x
+        out.append(low.bit_length() - 1)
+        x ^= low
+    return out

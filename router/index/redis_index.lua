@@ -1,0 +1,266 @@
+-- kvroute Redis block index: server-side scripts, one per "-- @script NAME" section.
+--
+-- Every key is derived from the namespace prefix P (ARGV[1]), e.g. "kvr:{3f2a9c0e11b4}";
+-- the braces are a hash tag, so all keys of a namespace share one cluster slot.
+--   P:b:<8-byte hash>  STRING  bitmap over columns (bit c = column c holds the block)
+--   P:r:<col>          HASH    reverse index of a column: 8-byte hash -> refcount
+--   P:i:<instance>     HASH    #<slot> -> column, ts/seq = cursor of the last applied batch
+--   P:col              HASH    column -> "<slot>:<instance>" (live columns only)
+--   P:insts            SET     instances with state
+--   P:hb:<instance>    STRING  heartbeat, expires after the instance TTL
+--   P:dead             LIST    retired columns whose bits are still being reclaimed
+--   P:free             ZSET    reclaimed column ids, reused smallest first
+--   P:meta             HASH    ncol (column counter), colver (column map version), rcur:<col>
+--   P:layouts          HASH    instance -> layout JSON
+-- A column is one (instance, slot) pair, slot = group_idx * 2 + tier (0 GPU, 1 CPU).
+
+-- @script apply
+-- ARGV: P, instance, seq (-1: unconditional), ts, reset (0/1), heartbeat ms, block ttl ms,
+--       then per event: op ("S" store, "R" remove, "C" clear all), slot, packed hashes.
+-- Returns {applied, stored, removed, unknown, retired columns}.
+local call, sub, sbyte = redis.call, string.sub, string.byte
+local P, inst = ARGV[1], ARGV[2]
+local seq, ts = tonumber(ARGV[3]), tonumber(ARGV[4])
+local hb_ms, block_ms = tonumber(ARGV[6]), tonumber(ARGV[7])
+local ikey = P .. ':i:' .. inst
+
+if seq >= 0 then
+  local cur = call('HMGET', ikey, 'ts', 'seq')
+  if cur[1] then
+    local cts, cseq = tonumber(cur[1]), tonumber(cur[2])
+    if ts < cts or (ts == cts and seq <= cseq) then
+      return {0, 0, 0, 0, 0}
+    end
+  end
+end
+
+local retired = 0
+local function retire()
+  local f = call('HGETALL', ikey)
+  for i = 1, #f, 2 do
+    if sub(f[i], 1, 1) == '#' then
+      call('HDEL', P .. ':col', f[i + 1])
+      call('RPUSH', P .. ':dead', f[i + 1])
+      call('HDEL', ikey, f[i])
+      retired = retired + 1
+    end
+  end
+  call('HINCRBY', P .. ':meta', 'colver', 1)
+end
+
+local cols = {}
+local function column(slot, create)
+  local c = cols[slot]
+  if c then return c end
+  c = call('HGET', ikey, '#' .. slot)
+  if not c then
+    if not create then return nil end
+    local free = call('ZPOPMIN', P .. ':free')
+    if #free > 0 then
+      c = free[1]
+    else
+      c = tostring(call('HINCRBY', P .. ':meta', 'ncol', 1) - 1)
+    end
+    call('HSET', ikey, '#' .. slot, c)
+    call('HSET', P .. ':col', c, slot .. ':' .. inst)
+    call('HINCRBY', P .. ':meta', 'colver', 1)
+  end
+  cols[slot] = c
+  return c
+end
+
+if ARGV[5] == '1' then retire() end
+
+local stored, removed, unknown = 0, 0, 0
+local bp = P .. ':b:'
+for i = 8, #ARGV, 3 do
+  local op, slot, hs = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  if op == 'S' then
+    -- New entries: SETBIT says the bit was clear; their refcount fields are written in one
+    -- HSET per event. Duplicates (bit already set) bump the refcount.
+    local c = column(slot, true)
+    local ci, rv = tonumber(c), P .. ':r:' .. c
+    local new, fresh, nn = {}, {}, 0
+    for j = 1, #hs, 8 do
+      local h = sub(hs, j, j + 7)
+      local bk = bp .. h
+      if call('SETBIT', bk, ci, 1) == 0 then
+        fresh[h] = 1
+        new[nn + 1] = h
+        new[nn + 2] = '1'
+        nn = nn + 2
+      elseif fresh[h] then
+        fresh[h] = fresh[h] + 1
+      else
+        call('HINCRBY', rv, h, 1)
+      end
+      if block_ms > 0 then call('PEXPIRE', bk, block_ms) end
+      stored = stored + 1
+    end
+    for j = 1, #new, 2 do
+      if fresh[new[j]] > 1 then new[j + 1] = tostring(fresh[new[j]]) end
+    end
+    for j = 1, #new, 7000 do
+      call('HSET', rv, unpack(new, j, math.min(j + 6999, #new)))
+    end
+  elseif op == 'R' then
+    -- Refcounts are read with one HMGET and released ones dropped with one HDEL per
+    -- event; only blocks whose last reference goes touch their bitmap.
+    local c = column(slot, false)
+    if not c then
+      unknown = unknown + #hs / 8
+    else
+      local ci, rv = tonumber(c), P .. ':r:' .. c
+      local byte, bit = math.floor(ci / 8) + 1, 2 ^ (7 - ci % 8)
+      local hl = {}
+      for j = 1, #hs, 8 do hl[#hl + 1] = sub(hs, j, j + 7) end
+      local counts = {}
+      for j = 1, #hl, 7000 do
+        local part = call('HMGET', rv, unpack(hl, j, math.min(j + 6999, #hl)))
+        for k = 1, #part do counts[#counts + 1] = part[k] end
+      end
+      local left, gone = {}, {}
+      for k = 1, #hl do
+        local h = hl[k]
+        local n = left[h] or tonumber(counts[k])
+        if not n or n <= 0 then
+          unknown = unknown + 1
+        else
+          n = n - 1
+          left[h] = n
+          removed = removed + 1
+          if n == 0 then
+            gone[#gone + 1] = h
+            local bk = bp .. h
+            local v = call('GET', bk)
+            -- Delete the bitmap when this column's bit is the only one set.
+            local only = v and #v >= byte and sbyte(v, byte) == bit
+            if only then
+              for i2 = 1, #v do
+                if i2 ~= byte and sbyte(v, i2) ~= 0 then only = false break end
+              end
+            end
+            if only then
+              call('DEL', bk)
+            elseif v then
+              call('SETBIT', bk, ci, 0)
+            end
+          end
+        end
+      end
+      for h, n in pairs(left) do
+        if n > 0 then call('HSET', rv, h, n) end
+      end
+      for j = 1, #gone, 7000 do
+        call('HDEL', rv, unpack(gone, j, math.min(j + 6999, #gone)))
+      end
+    end
+  elseif op == 'C' then
+    retire()
+    cols = {}
+  end
+end
+
+if seq >= 0 then call('HSET', ikey, 'ts', ARGV[4], 'seq', ARGV[3]) end
+call('SADD', P .. ':insts', inst)
+if hb_ms > 0 then call('SET', P .. ':hb:' .. inst, '1', 'PX', hb_ms) end
+return {1, stored, removed, unknown, retired}
+
+-- @script lookup
+-- KEYS: block keys. ARGV: P, the caller's column map version, check heartbeats (0/1).
+-- Returns {colver, column map (or {} when the caller's is current), live instances, bitmaps}.
+local P = ARGV[1]
+local ver = redis.call('HGET', P .. ':meta', 'colver') or '0'
+local colmap = {}
+if ver ~= ARGV[2] then colmap = redis.call('HGETALL', P .. ':col') end
+local live = {}
+for _, inst in ipairs(redis.call('SMEMBERS', P .. ':insts')) do
+  if ARGV[3] ~= '1' or redis.call('EXISTS', P .. ':hb:' .. inst) == 1 then
+    live[#live + 1] = inst
+  end
+end
+local vals = {}
+local n = #KEYS
+for i = 1, n, 4000 do
+  local part = redis.call('MGET', unpack(KEYS, i, math.min(i + 3999, n)))
+  for j = 1, #part do vals[#vals + 1] = part[j] end
+end
+return {ver, colmap, live, vals}
+
+-- @script drop
+-- ARGV: P, instance. Retires all the instance's columns and forgets its cursor (O(1) in
+-- its blocks; the bits are reclaimed in chunks by "reclaim"). Returns retired columns.
+local P, inst = ARGV[1], ARGV[2]
+local ikey = P .. ':i:' .. inst
+local f = redis.call('HGETALL', ikey)
+local n = 0
+for i = 1, #f, 2 do
+  if string.sub(f[i], 1, 1) == '#' then
+    redis.call('HDEL', P .. ':col', f[i + 1])
+    redis.call('RPUSH', P .. ':dead', f[i + 1])
+    n = n + 1
+  end
+end
+redis.call('DEL', ikey, P .. ':hb:' .. inst)
+redis.call('SREM', P .. ':insts', inst)
+redis.call('HINCRBY', P .. ':meta', 'colver', 1)
+return n
+
+-- @script reap
+-- ARGV: P. Drops every instance whose heartbeat expired; returns their names.
+local P = ARGV[1]
+local gone = {}
+for _, inst in ipairs(redis.call('SMEMBERS', P .. ':insts')) do
+  if redis.call('EXISTS', P .. ':hb:' .. inst) == 0 then
+    local ikey = P .. ':i:' .. inst
+    local f = redis.call('HGETALL', ikey)
+    for i = 1, #f, 2 do
+      if string.sub(f[i], 1, 1) == '#' then
+        redis.call('HDEL', P .. ':col', f[i + 1])
+        redis.call('RPUSH', P .. ':dead', f[i + 1])
+      end
+    end
+    redis.call('DEL', ikey)
+    redis.call('SREM', P .. ':insts', inst)
+    gone[#gone + 1] = inst
+  end
+end
+if #gone > 0 then redis.call('HINCRBY', P .. ':meta', 'colver', 1) end
+return gone
+
+-- @script reclaim
+-- ARGV: P, max entries. Clears up to that many bits of the oldest retired column (a dead
+-- column's reverse index no longer changes, so one HSCAN pass sees every entry); frees
+-- the column after the last pass. Returns {entries cleared, columns left}.
+local P, count = ARGV[1], tonumber(ARGV[2])
+local col = redis.call('LINDEX', P .. ':dead', 0)
+if not col then return {0, 0} end
+local rv, ci, bp = P .. ':r:' .. col, tonumber(col), P .. ':b:'
+local byte, bit = math.floor(ci / 8) + 1, 2 ^ (7 - ci % 8)
+local cur = redis.call('HGET', P .. ':meta', 'rcur:' .. col) or '0'
+local r = redis.call('HSCAN', rv, cur, 'COUNT', count)
+local n = 0
+for i = 1, #r[2], 2 do
+  local bk = bp .. r[2][i]
+  local v = redis.call('GET', bk)
+  if v and #v >= byte and math.floor(string.byte(v, byte) / bit) % 2 == 1 then
+    local only = string.byte(v, byte) == bit
+    if only then
+      for k = 1, #v do
+        if k ~= byte and string.byte(v, k) ~= 0 then only = false break end
+      end
+    end
+    if only then redis.call('DEL', bk) else redis.call('SETBIT', bk, ci, 0) end
+  end
+  n = n + 1
+end
+if r[1] == '0' then
+  redis.call('DEL', rv)
+  redis.call('HDEL', P .. ':meta', 'rcur:' .. col)
+  if redis.call('LREM', P .. ':dead', 1, col) > 0 then
+    redis.call('ZADD', P .. ':free', ci, col)
+  end
+else
+  redis.call('HSET', P .. ':meta', 'rcur:' .. col, r[1])
+end
+return {n, redis.call('LLEN', P .. ':dead')}

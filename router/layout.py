@@ -1,0 +1,202 @@
+"""Per-instance KV cache group layout: what each ``group_idx`` of an instance is.
+
+The scorer needs each instance's groups (full attention / sliding window / Mamba, block
+sizes) and its CPU offload chunk size. vLLM's ``BlockStored`` events carry ``group_idx``,
+``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window``, so the layout is learned from
+the stream; engines that do not send them (older vLLM) fall back to a configured layout.
+Precedence: configured for the instance > learned > the registry default.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from functools import reduce
+from typing import Any
+
+from events.groups import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    spec_from_event,
+)
+from events.structs import BlockStored, KVEventBatch
+
+__all__ = ["InstanceLayout", "LayoutRegistry"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceLayout:
+    """An instance's groups (index = ``group_idx``) and offload geometry.
+
+    ``hash_block_size``: tokens per request block hash (vLLM's hash_block_size); defaults
+    to the GCD of the group block sizes. ``tokens_per_chunk``: tokens per CPU offload chunk,
+    needed to expand placeholder CPU events (which name only a chunk's last block hash);
+    None means one CPU entry covers one hash block.
+    """
+
+    groups: tuple[KVCacheSpec, ...]
+    hash_block_size: int = 0
+    tokens_per_chunk: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ValueError("a layout needs at least one group")
+        if self.hash_block_size <= 0:
+            gcd = reduce(math.gcd, (g.block_size for g in self.groups))
+            object.__setattr__(self, "hash_block_size", gcd)
+        for g in self.groups:
+            if g.block_size % self.hash_block_size:
+                raise ValueError(f"group block size {g.block_size} not a multiple of hash size")
+        if self.tokens_per_chunk is not None and self.tokens_per_chunk % self.hash_block_size:
+            raise ValueError("tokens_per_chunk must be a multiple of the hash block size")
+
+    @classmethod
+    def full(cls, block_size: int = 16, **kw: Any) -> InstanceLayout:
+        return cls((FullAttentionSpec(block_size),), **kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "groups": [
+                {"kind": g.kind, "block_size": g.block_size, "sliding_window": g.sliding_window}
+                for g in self.groups
+            ],
+            "hash_block_size": self.hash_block_size,
+            "tokens_per_chunk": self.tokens_per_chunk,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> InstanceLayout:
+        groups = tuple(
+            spec_from_event(g.get("kind"), g.get("sliding_window"), int(g["block_size"]))
+            for g in d["groups"]
+        )
+        return cls(groups, int(d.get("hash_block_size") or 0), d.get("tokens_per_chunk"))
+
+
+class LayoutRegistry:
+    """Layouts per instance: configured, learned from events, or the default."""
+
+    def __init__(
+        self,
+        default: InstanceLayout | None = None,
+        configured: Mapping[str, InstanceLayout] | None = None,
+    ) -> None:
+        self.default = default
+        self._configured: dict[str, InstanceLayout] = dict(configured or {})
+        self._learned: dict[str, InstanceLayout] = {}
+        self._seen: dict[str, dict[int, tuple[str | None, int | None, int]]] = {}
+        self._chunk: dict[str, int] = {}  # tokens per CPU chunk, from self-describing events
+
+    def configure(self, instance: str, layout: InstanceLayout | None) -> None:
+        if layout is None:
+            self._configured.pop(instance, None)
+        else:
+            self._configured[instance] = layout
+
+    def get(self, instance: str) -> InstanceLayout | None:
+        return self._configured.get(instance) or self._learned.get(instance) or self.default
+
+    def learned(self, instance: str) -> InstanceLayout | None:
+        return self._learned.get(instance)
+
+    def forget(self, instance: str) -> None:
+        self._learned.pop(instance, None)
+        self._seen.pop(instance, None)
+        self._chunk.pop(instance, None)
+
+    def set_learned(self, instance: str, layout: InstanceLayout) -> None:
+        """Adopt a layout another process learned (shared index readers)."""
+        self._learned[instance] = layout
+
+    async def refresh_from(self, index: Any) -> int:
+        """Adopt the layouts ingesters shared through ``index.put_layout`` (a reader router
+        sharing a Redis index learns no layouts itself); returns how many changed."""
+        changed = 0
+        for name, raw in (await index.get_layouts()).items():
+            try:
+                layout = InstanceLayout.from_dict(raw)
+            except (KeyError, TypeError, ValueError):
+                log.warning("instance %s: unreadable shared layout %r", name, raw)
+                continue
+            if self._learned.get(name) != layout:
+                self._learned[name] = layout
+                changed += 1
+        return changed
+
+    def observe(self, instance: str, batch: KVEventBatch) -> bool:
+        """Learn from the batch's ``BlockStored`` events; True if the learned layout changed.
+
+        GPU stores give each group's spec and block size. Self-describing CPU stores
+        (``block_size > 0``, one event per offloaded chunk, every block hash of a full
+        attention or sliding-window group) give the chunk size; placeholder CPU stores
+        (``block_size == 0``) carry no geometry.
+        """
+        seen = self._seen.get(instance)
+        changed = False
+        for ev in batch.events:
+            if type(ev) is not BlockStored or ev.block_size <= 0 or not ev.block_hashes:
+                continue
+            if ev.medium not in (None, "GPU"):
+                if ev.kv_cache_spec_kind != "mamba":  # a Mamba chunk names only its state
+                    tpc = len(ev.block_hashes) * ev.block_size
+                    if self._chunk.get(instance) != tpc:
+                        self._chunk[instance] = tpc
+                        changed = True
+                continue
+            key = (ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window, ev.block_size)
+            g = ev.group_idx or 0
+            if seen is None:
+                seen = self._seen[instance] = {}
+            old = seen.get(g)
+            if old == key:
+                continue
+            if old is not None and old[2] > ev.block_size and old[:2] == key[:2]:
+                continue  # a partial-block store (prefix_match_unit): keep the group's size
+            seen[g] = key
+            changed = True
+        if changed and seen:
+            self._learned[instance] = self._build(instance, seen)
+            return True
+        return False
+
+    def _build(
+        self, instance: str, seen: dict[int, tuple[str | None, int | None, int]]
+    ) -> InstanceLayout:
+        base = self._configured.get(instance) or self.default
+        n = max(seen) + 1
+        groups: list[KVCacheSpec] = []
+        for g in range(n):
+            if g in seen:
+                kind, window, bs = seen[g]
+                if kind is None and base is not None and g < len(base.groups):
+                    groups.append(_resize(base.groups[g], bs))  # engine sent no spec kind
+                else:
+                    groups.append(spec_from_event(kind, window, bs))
+            elif base is not None and g < len(base.groups):
+                groups.append(base.groups[g])
+            else:  # not seen yet: a group with no blocks, so it hits nothing
+                groups.append(FullAttentionSpec(seen[min(seen)][2]))
+        hbs = base.hash_block_size if base is not None else 0
+        tpc = self._chunk.get(instance) or (base.tokens_per_chunk if base is not None else None)
+        layout = None
+        for geometry in ((hbs, tpc), (0, tpc), (0, None)):
+            try:
+                layout = InstanceLayout(tuple(groups), *geometry)
+                break
+            except ValueError:
+                log.warning("instance %s: geometry %s does not fit its groups", instance, geometry)
+        assert layout is not None  # (0, None) always fits
+        log.info("instance %s layout: %s", instance, layout.to_dict())
+        return layout
+
+
+def _resize(spec: KVCacheSpec, block_size: int) -> KVCacheSpec:
+    if isinstance(spec, SlidingWindowSpec | FullAttentionSpec | MambaSpec):
+        return replace(spec, block_size=block_size)
+    return spec  # pragma: no cover

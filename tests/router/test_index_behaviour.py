@@ -1,0 +1,423 @@
+"""One behaviour suite for every ``BlockIndex`` backend (memory and Redis), plus the few
+behaviours only a shared Redis index has (namespaces, heartbeats, reclamation)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import tracemalloc
+from collections import Counter
+
+import pytest
+import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
+from router_testkit import batch, new_namespace, positions, removed, stored
+
+from events.structs import AllBlocksCleared
+from router.index import MemoryIndex, Tier, open_index, slot_of
+from router.index.instrumented import IndexMetrics, InstrumentedIndex
+from router.index.redis_index import RedisIndex, namespace_for
+
+G0, G1 = slot_of(0, Tier.GPU), slot_of(1, Tier.GPU)
+C0, C1 = slot_of(0, Tier.CPU), slot_of(1, Tier.CPU)
+H = [1000 + i for i in range(64)]
+
+
+async def test_stored_blocks_are_found_per_group_and_tier(index):
+    await index.apply("a", batch(stored(H[:4], 0), stored(H[2:4], 1), stored(H[:2], 0, "CPU")))
+    res = await index.lookup(H[:6])
+    assert res == {"a": {G0: 0b1111, G1: 0b1100, C0: 0b11}}
+
+
+async def test_lookup_masks_follow_request_positions_not_storage_order(index):
+    await index.apply("a", batch(stored([H[5], H[1], H[3]])))
+    res = await index.lookup([H[0], H[1], 999, H[3], H[5], H[1]])
+    assert positions(res["a"][G0]) == [1, 3, 4, 5]
+    assert await index.lookup([7, 8, 9]) == {}
+    assert await index.lookup([]) == {}
+
+
+async def test_medium_none_is_gpu_and_storage_counts_as_cpu(index):
+    await index.apply("a", batch(stored(H[:2], None, None), stored(H[2:3], 0, "STORAGE")))
+    assert (await index.lookup(H[:3]))["a"] == {G0: 0b11, C0: 0b100}
+
+
+async def test_duplicate_stores_need_as_many_removes(index):
+    await index.apply("a", batch(stored(H[:2]), stored(H[:1]), stored([H[0]])))
+    await index.apply("a", batch(removed([H[0]]), removed([H[1]])))
+    assert (await index.lookup(H[:2]))["a"] == {G0: 0b01}
+    await index.apply("a", batch(removed([H[0]])))
+    assert (await index.lookup(H[:2]))["a"] == {G0: 0b01}
+    res = await index.apply("a", batch(removed([H[0]])))
+    assert res.removed == 1
+    assert await index.lookup(H[:2]) == {}
+
+
+async def test_duplicate_hash_within_one_event_is_refcounted(index):
+    await index.apply("a", batch(stored([H[0], H[0], H[1]])))
+    await index.apply("a", batch(removed([H[0]])))
+    assert (await index.lookup(H[:2]))["a"] == {G0: 0b11}
+    await index.apply("a", batch(removed([H[0], H[1]])))
+    assert await index.lookup(H[:2]) == {}
+
+
+async def test_eviction_in_one_group_or_tier_leaves_the_others(index):
+    await index.apply("a", batch(stored(H[:3], 0), stored(H[:3], 1), stored(H[:3], 0, "CPU")))
+    await index.apply("a", batch(removed([H[1]], 1), removed([H[0]], 0, "CPU")))
+    assert (await index.lookup(H[:3]))["a"] == {G0: 0b111, G1: 0b101, C0: 0b110}
+
+
+async def test_removing_unknown_blocks_is_counted_and_harmless(index):
+    await index.apply("a", batch(stored(H[:2])))
+    res = await index.apply("a", batch(removed([H[5]]), removed([H[0]], 3), removed([H[1]])))
+    assert res.unknown == 2 and res.removed == 1
+    assert (await index.lookup(H[:2]))["a"] == {G0: 0b01}
+    # A later store of a block whose removal was unknown works normally.
+    await index.apply("a", batch(stored([H[5]])))
+    assert (await index.lookup([H[5]]))["a"] == {G0: 1}
+
+
+async def test_clear_one_instance_leaves_others_untouched(index):
+    await index.apply("a", batch(stored(H[:4], 0), stored(H[:4], 1), stored(H[:4], 0, "CPU")))
+    await index.apply("b", batch(stored(H[:3], 0), stored(H[1:2], 1)))
+    await index.clear("a")
+    assert await index.lookup(H[:4]) == {"b": {G0: 0b111, G1: 0b10}}
+    assert await index.instances() == ["b"]
+    assert await index.cursor("a") is None
+
+
+async def test_clear_then_readd_starts_from_nothing(index):
+    await index.apply("a", batch(stored(H[:4])), seq=5)
+    await index.clear("a")
+    await index.apply("a", batch(stored(H[2:3]), ts=0.5), seq=0)  # older ts: cursor was reset
+    assert (await index.lookup(H[:4]))["a"] == {G0: 0b100}
+    await index.clear("b")  # clearing an unknown instance is a no-op
+
+
+async def test_columns_reused_after_clear_do_not_leak_old_bits(index):
+    await index.apply("a", batch(stored(H[:8], 0), stored(H[:8], 1)))
+    await index.clear("a")
+    await index.apply("b", batch(stored(H[8:10], 0), stored(H[8:10], 1)))
+    assert await index.lookup(H[:10]) == {"b": {G0: 0b11 << 8, G1: 0b11 << 8}}
+
+
+async def test_all_blocks_cleared_drops_every_tier_of_that_instance_only(index):
+    await index.apply("a", batch(stored(H[:3], 0), stored(H[:3], 1), stored(H[:2], 0, "CPU")))
+    await index.apply("b", batch(stored(H[:1], 0, "CPU")))
+    await index.apply("a", batch(stored([H[8]]), AllBlocksCleared(), stored([H[9]], 1)))
+    assert await index.lookup([*H[:3], H[8], H[9]]) == {"a": {G1: 0b10000}, "b": {C0: 1}}
+
+
+async def test_reset_drops_state_in_the_same_step_as_the_batch(index):
+    await index.apply("a", batch(stored(H[:4]), ts=1.0), seq=7)
+    res = await index.apply("a", batch(stored(H[4:5]), ts=2.0), seq=0, reset=True)
+    assert res.applied and res.cleared >= 1
+    assert (await index.lookup(H[:5]))["a"] == {G0: 0b10000}
+    assert await index.cursor("a") == (2.0, 0)
+
+
+async def test_batches_not_newer_than_the_cursor_are_skipped(index):
+    assert (await index.apply("a", batch(stored(H[:1]), ts=1.0), seq=0)).applied
+    assert (await index.apply("a", batch(stored(H[1:2]), ts=1.0), seq=1)).applied
+    again = await index.apply("a", batch(stored(H[1:2]), ts=1.0), seq=1)
+    older = await index.apply("a", batch(stored(H[2:3]), ts=0.5), seq=9)
+    assert not again.applied and not older.applied
+    assert (await index.lookup(H[:3]))["a"] == {G0: 0b11}
+    # Without a seq a batch is applied unconditionally.
+    assert (await index.apply("a", batch(removed([H[1]]), ts=0.1))).applied
+
+
+async def test_two_ingesters_of_one_source_count_each_batch_once(make_index):
+    first, second = make_index(), make_index()
+    stream = [
+        (0, batch(stored(H[:4]), ts=1.0)),
+        (1, batch(stored(H[:2]), ts=1.1)),  # duplicate physical blocks: refcount 2
+        (2, batch(removed(H[:1]), ts=1.2)),
+    ]
+    for seq, b in stream:
+        await first.apply("a", b, seq=seq)
+    for seq, b in stream:  # the second router lags behind and sees the same batches
+        await second.apply("a", b, seq=seq)
+    assert (await first.lookup(H[:4]))["a"] == {G0: 0b1111}
+    await first.apply("a", batch(removed(H[:2]), ts=1.3), seq=3)
+    assert (await second.lookup(H[:4]))["a"] == {G0: 0b1110}  # H1 still held once
+    # The publisher restarts: both ingesters reset with the new incarnation's first batch,
+    # but only the first reset takes effect.
+    await first.apply("a", batch(stored(H[8:9]), ts=5.0), seq=0, reset=True)
+    await first.apply("a", batch(stored(H[9:10]), ts=5.1), seq=1)
+    await second.apply("a", batch(stored(H[8:9]), ts=5.0), seq=0, reset=True)
+    await second.apply("a", batch(stored(H[9:10]), ts=5.1), seq=1)
+    assert (await second.lookup(H[:10]))["a"] == {G0: 0b11 << 8}
+
+
+async def test_bytes_hashes_are_keyed_by_their_low_64_bits(index):
+    digest = bytes(range(24, 56))  # a 32-byte sha256-like digest
+    wire = int.from_bytes(digest[-8:], "big")
+    await index.apply("a", batch(stored([digest])))  # type: ignore[list-item]
+    assert (await index.lookup([wire]))["a"] == {G0: 1}
+    await index.apply("a", batch(removed([digest])))  # type: ignore[list-item]
+    assert await index.lookup([wire]) == {}
+
+
+async def test_hashes_above_2_pow_63_round_trip(index):
+    big = [(1 << 64) - 1, 1 << 63, (1 << 63) + 12345]
+    await index.apply("a", batch(stored(big)))
+    assert (await index.lookup(big))["a"] == {G0: 0b111}
+
+
+async def test_lookup_can_be_restricted_to_candidate_instances(index):
+    for name in ("a", "b", "c"):
+        await index.apply(name, batch(stored(H[:2])))
+    res = await index.lookup(H[:2], ["a", "c", "zz"])
+    assert set(res) == {"a", "c"}
+    assert await index.lookup(H[:2], []) == {}
+
+
+async def test_instances_lists_instances_with_state(index):
+    assert await index.instances() == []
+    await index.apply("b", batch(stored(H[:1])))
+    await index.apply("a", batch(stored(H[:1])), seq=0)
+    assert sorted(await index.instances()) == ["a", "b"]
+    assert await index.cursor("a") == (1.0, 0)
+
+
+async def test_layouts_are_shared_through_the_index(make_index):
+    writer, reader = make_index(), make_index()
+    layout = {"groups": [{"kind": "full_attention", "block_size": 16, "sliding_window": None}]}
+    await writer.put_layout("a", layout)
+    assert await reader.get_layouts() == {"a": layout}
+    await writer.put_layout("a", None)
+    assert await reader.get_layouts() == {}
+
+
+async def test_concurrent_ingest_and_lookups_end_in_the_right_state(index):
+    async def ingest(name: str, offset: int) -> None:
+        for i in range(20):
+            await index.apply(name, batch(stored([offset + i], i % 2), ts=float(i)), seq=i)
+            if i % 5 == 4:
+                await index.apply(name, batch(removed([offset + i - 2], (i - 2) % 2)))
+
+    async def read() -> None:
+        for _ in range(20):
+            await index.lookup(list(range(100, 140)))
+            await asyncio.sleep(0)
+
+    await asyncio.gather(ingest("a", 100), ingest("b", 120), read(), read())
+    res = await index.lookup(list(range(100, 140)))
+    for name, off in (("a", 100), ("b", 120)):
+        gone = {off + i - 2 for i in range(20) if i % 5 == 4}
+        want_g0 = [i for i in range(20) if i % 2 == 0 and off + i not in gone]
+        want_g1 = [i for i in range(20) if i % 2 == 1 and off + i not in gone]
+        assert positions(res[name].get(G0, 0)) == [off - 100 + i for i in want_g0]
+        assert positions(res[name].get(G1, 0)) == [off - 100 + i for i in want_g1]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_random_event_streams_match_a_reference_model(index, seed):
+    rng = random.Random(seed)
+    universe = list(range(5000, 5040))
+    refs: Counter[tuple[str, int, int]] = Counter()
+    for step in range(120):
+        name = rng.choice("abc")
+        events, kind = [], rng.random()
+        group, medium = rng.randrange(2), rng.choice(["GPU", "CPU"])
+        slot = slot_of(group, Tier.GPU if medium == "GPU" else Tier.CPU)
+        hs = rng.sample(universe, rng.randint(1, 6))
+        if kind < 0.55:
+            events.append(stored(hs, group, medium))
+            refs.update((name, slot, h) for h in hs)
+        elif kind < 0.93:
+            events.append(removed(hs, group, medium))
+            for h in hs:
+                if refs[(name, slot, h)] > 0:
+                    refs[(name, slot, h)] -= 1
+        elif kind < 0.97:
+            events.append(AllBlocksCleared())
+            for key in [k for k in refs if k[0] == name]:
+                del refs[key]
+        else:
+            await index.clear(name)
+            for key in [k for k in refs if k[0] == name]:
+                del refs[key]
+            continue
+        await index.apply(name, batch(*events, ts=float(step)), seq=step)
+    want: dict[str, dict[int, int]] = {}
+    for (name, slot, h), n in refs.items():
+        if n > 0:
+            masks = want.setdefault(name, {})
+            masks[slot] = masks.get(slot, 0) | 1 << universe.index(h)
+    assert await index.lookup(universe) == want
+
+
+# ---- memory backend ---------------------------------------------------------------------
+
+
+def test_memory_index_stays_under_150_bytes_per_resident_entry():
+    tracemalloc.start()
+    try:
+        idx = MemoryIndex()
+        base = tracemalloc.get_traced_memory()[0]
+        rng = random.Random(0)
+        n = 0
+        for step in range(100):  # 2 instances x 2 groups, half their blocks shared
+            shared = [rng.getrandbits(64) for _ in range(250)]
+            for name in ("a", "b"):
+                own = [rng.getrandbits(64) for _ in range(250)]
+                b = batch(stored(shared + own, 0), stored(own, 1), ts=float(step))
+                idx.apply_sync(name, b, seq=step)
+                n += 750
+        del b, shared, own
+        used = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert idx.stats()["entries"] == n
+    assert used / n <= 150, f"{used / n:.1f} bytes per entry"
+
+
+# ---- Redis backend ----------------------------------------------------------------------
+
+
+def test_open_index_picks_the_backend_from_the_url():
+    assert isinstance(open_index(None), MemoryIndex)
+    assert isinstance(open_index("memory://"), MemoryIndex)
+    for url in ("redis://h:1/0", "rediss://h:1/0", "unix:///tmp/x.sock"):
+        assert isinstance(open_index(url), RedisIndex)
+    with pytest.raises(ValueError):
+        open_index("etcd://x")
+
+
+def test_namespace_separates_models_hash_algorithms_and_seeds():
+    names = {
+        namespace_for("m", "sha256", "0"),
+        namespace_for("m", "sha256_cbor", "0"),
+        namespace_for("m", "sha256", "1"),
+        namespace_for("other", "sha256", "0"),
+    }
+    assert len(names) == 4
+    assert namespace_for("m", "sha256", "0") == namespace_for("m", "sha256", "0")
+
+
+async def test_redis_namespaces_never_mix(redis_server):
+    a = RedisIndex(redis_server.url, model="m", hash_algo="sha256", hash_seed="0")
+    b = RedisIndex(redis_server.url, model="m", hash_algo="sha256_cbor", hash_seed="0")
+    try:
+        before = {k async for k in a.redis.scan_iter(match="*")}
+        await a.apply("x", batch(stored(H[:2])))
+        assert await b.lookup(H[:2]) == {}
+        assert await b.instances() == []
+        new = {k async for k in a.redis.scan_iter(match="*")} - before
+        assert new and all(k.startswith(a.prefix.encode() + b":") for k in new)
+    finally:
+        await a.clear("x")
+        await a.close()
+        await b.close()
+
+
+async def test_redis_apply_is_one_round_trip_per_batch(redis_server, monkeypatch):
+    idx = RedisIndex(redis_server.url, namespace=new_namespace())
+    try:
+        await idx.apply("a", batch(stored(H[:1])))  # loads the script, writes the description
+        sent: list[object] = []
+        real = idx.redis.execute_command
+
+        async def counting(*args, **kw):
+            sent.append(args[0])
+            return await real(*args, **kw)
+
+        monkeypatch.setattr(idx.redis, "execute_command", counting)
+        big = batch(*[stored(H[i : i + 4], i % 3) for i in range(0, 60, 4)], removed(H[:3]))
+        await idx.apply("a", big, seq=1)
+        assert sent == ["EVALSHA"]
+        sent.clear()
+        await idx.lookup(H)
+        assert sent == ["EVALSHA"]
+    finally:
+        await idx.close()
+
+
+async def test_redis_clear_reclaims_every_key_of_the_instance(redis_server):
+    idx = RedisIndex(redis_server.url, namespace=new_namespace())
+    try:
+        await idx.apply("keep", batch(stored(H[:3])))
+        r = idx.redis
+        baseline = {k async for k in r.scan_iter(match=f"{idx.prefix}:*")}
+        rng = random.Random(1)
+        hs = [rng.getrandbits(64) for _ in range(3000)]
+        await idx.apply("a", batch(stored(hs, 0), stored(hs[:500], 1), stored(H[:3], 1)))
+        await idx.apply("a", batch(stored(hs[:100], 0)))  # refcount 2 entries
+        assert len([k async for k in r.scan_iter(match=f"{idx.prefix}:b:*")]) == 3003
+        await idx.clear("a")
+        left = {k async for k in r.scan_iter(match=f"{idx.prefix}:*")}
+        assert {k for k in left if b":b:" in k or b":r:" in k} == {
+            k for k in baseline if b":b:" in k or b":r:" in k
+        }
+        assert (await idx.stats())["dead_columns"] == 0
+        assert await idx.lookup(H[:3]) == {"keep": {G0: 0b111}}
+    finally:
+        await idx.close()
+
+
+async def test_redis_instance_without_heartbeat_is_hidden_then_reaped(redis_server):
+    ns = new_namespace()
+    idx = RedisIndex(redis_server.url, namespace=ns, instance_ttl_s=0.3)
+    try:
+        await idx.apply("a", batch(stored(H[:2])))
+        await idx.apply("b", batch(stored(H[:2])))
+        await asyncio.sleep(0.2)
+        await idx.touch("b")
+        await asyncio.sleep(0.2)
+        assert set(await idx.lookup(H[:2])) == {"b"}
+        assert await idx.instances() == ["b"]
+        assert await idx.reap() == ["a"]
+        await idx._reclaim_all()
+        assert (await idx.stats())["entries"] == 2  # only b's
+    finally:
+        await idx.close()
+
+
+async def test_redis_block_ttl_expires_blocks_when_enabled(redis_server):
+    idx = RedisIndex(redis_server.url, namespace=new_namespace(), block_ttl_s=0.2)
+    try:
+        await idx.apply("a", batch(stored(H[:2])))
+        assert (await idx.lookup(H[:2]))["a"] == {G0: 0b11}
+        await asyncio.sleep(0.35)
+        assert await idx.lookup(H[:2]) == {}
+        await idx.clear("a")  # stale reverse entries of expired blocks are harmless
+    finally:
+        await idx.close()
+
+
+async def test_redis_unix_socket_url_and_two_processes_share_one_index(redis_server):
+    ns = new_namespace()
+    writer = open_index(redis_server.url, namespace=ns)
+    reader = open_index(redis_server.unix_url, namespace=ns)
+    try:
+        await writer.apply("a", batch(stored(H[:3])), seq=0)
+        assert (await reader.lookup(H[:3]))["a"] == {G0: 0b111}
+        await writer.apply("a", batch(removed(H[1:2])), seq=1)
+        assert (await reader.lookup(H[:3]))["a"] == {G0: 0b101}
+        assert await reader.cursor("a") == (1.0, 1)
+    finally:
+        await writer.close()
+        await reader.close()
+    plain = aioredis.from_url(redis_server.url)
+    assert await plain.ping()
+    await plain.aclose()
+
+
+async def test_instrumented_index_counts_blocks_and_times_calls(index):
+    reg = CollectorRegistry()
+    idx = InstrumentedIndex(index, IndexMetrics(reg))
+    await idx.apply("a", batch(stored(H[:3]), removed(H[:1]), removed([H[9]])))
+    assert (await idx.lookup(H[:3]))["a"] == {G0: 0b110}
+    await idx.clear("a")
+
+    def sample(name: str, **labels: str) -> float:
+        return reg.get_sample_value(name, labels) or 0.0
+
+    assert sample("kvroute_index_block_ops_total", op="stored") == 3
+    assert sample("kvroute_index_block_ops_total", op="removed") == 1
+    assert sample("kvroute_index_block_ops_total", op="unknown_removed") == 1
+    assert sample("kvroute_index_apply_seconds_count") == 1
+    assert sample("kvroute_index_lookup_seconds_count") == 1
+    assert await idx.instances() == []

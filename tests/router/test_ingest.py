@@ -1,0 +1,383 @@
+"""Ingest: subscriber items -> index, with scripted sources and over real ZMQ sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+import zmq
+from prometheus_client import CollectorRegistry
+from router_testkit import (
+    batch,
+    catch_up,
+    eventually,
+    free_port,
+    new_namespace,
+    removed,
+    stored,
+)
+
+from events.publisher import ZmqEventPublisher
+from events.structs import KVEventBatch
+from events.subscriber import BatchesMissed, BatchReceived, SourceRestarted
+from router.index import MemoryIndex, Tier, slot_of
+from router.index.redis_index import RedisIndex
+from router.ingest import IngestManager, InstanceSource
+from router.layout import InstanceLayout, LayoutRegistry
+
+G0, G1 = slot_of(0, Tier.GPU), slot_of(1, Tier.GPU)
+C0 = slot_of(0, Tier.CPU)
+
+
+class ScriptedSource:
+    """A subscriber stand-in: yields queued items, then waits for more until closed."""
+
+    def __init__(self, source: InstanceSource, start_seq: int | None) -> None:
+        self.source, self.start_seq = source, start_seq
+        self.items: asyncio.Queue = asyncio.Queue()
+        self.closed = False
+
+    async def start(self) -> None:
+        return None
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.closed:
+            raise StopAsyncIteration
+        item = await self.items.get()
+        if item is None:
+            raise StopAsyncIteration
+        return item
+
+    async def close(self) -> None:
+        self.closed = True
+        self.items.put_nowait(None)
+
+
+class Sources:
+    """Source factory recording every subscription, with the items to play on each."""
+
+    def __init__(self, *scripts: list) -> None:
+        self.scripts = list(scripts)
+        self.made: list[ScriptedSource] = []
+
+    def __call__(self, source: InstanceSource, start_seq: int | None) -> ScriptedSource:
+        s = ScriptedSource(source, start_seq)
+        for item in self.scripts.pop(0) if self.scripts else []:
+            s.items.put_nowait(item)
+        self.made.append(s)
+        return s
+
+
+def got(seq: int, b: KVEventBatch, replayed: bool = False) -> BatchReceived:
+    return BatchReceived(seq=seq, batch=b, replayed=replayed)
+
+
+def metric(reg: CollectorRegistry, name: str, **labels: str) -> float:
+    return reg.get_sample_value(name, labels) or 0.0
+
+
+async def test_batches_are_applied_in_order_and_counted_by_type_and_status():
+    idx, reg = MemoryIndex(), CollectorRegistry()
+    b0 = batch(stored([1, 2, 3]), stored([1], 1), ts=time.time() - 0.5)
+    b1 = batch(removed([3]), ts=time.time())
+    sources = Sources([got(0, b0), got(1, b1), got(1, b1, replayed=True)])
+    mgr = IngestManager(idx, registry=reg, source_factory=sources)
+    await mgr.add_instance("e1", "tcp://x:1")
+    await mgr.wait_for_seq("e1", 1)
+    await eventually(
+        lambda: _async(metric(reg, "kvroute_ingest_batches_total", instance="e1", source="replay"))
+    )
+    assert (await idx.lookup([1, 2, 3]))["e1"] == {G0: 0b011, G1: 0b001}
+    ev = "kvroute_ingest_events_total"
+    assert metric(reg, ev, instance="e1", type="BlockStored", status="applied") == 2
+    assert metric(reg, ev, instance="e1", type="BlockRemoved", status="applied") == 1
+    assert metric(reg, ev, instance="e1", type="BlockRemoved", status="stale") == 1
+    assert metric(reg, "kvroute_ingest_last_seq", instance="e1") == 1
+    assert 0 <= metric(reg, "kvroute_ingest_lag_seconds", instance="e1") < 5
+    assert metric(reg, "kvroute_ingest_replayed_batches_total", instance="e1") == 1
+    await mgr.close()
+
+
+async def _async(value):
+    return value
+
+
+async def test_source_restart_resets_the_instance_with_the_next_batch():
+    idx, reg = MemoryIndex(), CollectorRegistry()
+    script = [
+        got(0, batch(stored([1, 2]), ts=1.0)),
+        got(1, batch(stored([3]), ts=1.1)),
+        SourceRestarted(last_seq=1, new_seq=0),
+        got(0, batch(stored([9]), ts=2.0)),
+    ]
+    mgr = IngestManager(idx, registry=reg, source_factory=Sources(script))
+    await mgr.add_instance("e1", "tcp://x:1")
+    await eventually(lambda: _async(idx.lookup_sync([1, 2, 3, 9]) == {"e1": {G0: 0b1000}}))
+    assert metric(reg, "kvroute_ingest_restarts_total", instance="e1") == 1
+    await mgr.close()
+
+
+async def test_missed_batches_clear_then_rebuild_from_the_replay_buffer():
+    idx, reg = MemoryIndex(), CollectorRegistry()
+    first = [got(0, batch(stored([1, 2]), ts=1.0)), BatchesMissed(1, 4)]
+    # Re-subscribed from seq 0: the buffer starts at 3, so 0..2 are reported missed again
+    # (history, not a new loss), then 3..5 are replayed.
+    second = [
+        BatchesMissed(0, 2),
+        got(3, batch(stored([5]), ts=1.3), replayed=True),
+        got(4, batch(stored([6]), ts=1.4), replayed=True),
+        got(5, batch(removed([5]), ts=1.5)),
+    ]
+    sources = Sources(first, second)
+    mgr = IngestManager(idx, registry=reg, source_factory=sources)
+    await mgr.add_instance("e1", "tcp://x:1", "tcp://x:2")
+    await mgr.wait_for_seq("e1", 5)
+    assert [s.start_seq for s in sources.made] == [None, 0]
+    assert idx.lookup_sync([1, 2, 5, 6]) == {"e1": {G0: 0b1000}}
+    assert metric(reg, "kvroute_ingest_missed_batches_total", instance="e1") == 4 + 3
+    assert metric(reg, "kvroute_ingest_resyncs_total", instance="e1") == 1
+    await mgr.close()
+
+
+async def test_missed_batches_without_replay_clear_and_follow_the_live_stream():
+    idx = MemoryIndex()
+    script = [
+        got(0, batch(stored([1, 2]), ts=1.0)),
+        BatchesMissed(1, 1),
+        got(2, batch(stored([7]), ts=1.2)),
+    ]
+    sources = Sources(script)
+    mgr = IngestManager(idx, registry=CollectorRegistry(), source_factory=sources)
+    await mgr.add_instance("e1", "tcp://x:1")
+    await mgr.wait_for_seq("e1", 2)
+    assert idx.lookup_sync([1, 2, 7]) == {"e1": {G0: 0b100}}
+    assert len(sources.made) == 1
+    await mgr.close()
+
+
+async def test_removing_an_instance_stops_its_source_and_clears_only_it():
+    idx = MemoryIndex()
+    sources = Sources([got(0, batch(stored([1])))], [got(0, batch(stored([1, 2])))])
+    mgr = IngestManager(idx, registry=CollectorRegistry(), source_factory=sources)
+    await mgr.add_instance("e1", "tcp://x:1")
+    await mgr.add_instance("e2", "tcp://x:2")
+    with pytest.raises(ValueError):
+        await mgr.add_instance("e1", "tcp://x:3")
+    await mgr.wait_for_seq("e1", 0)
+    await mgr.wait_for_seq("e2", 0)
+    await mgr.remove_instance("e1")
+    assert sources.made[0].closed
+    assert mgr.instances() == ["e2"]
+    assert idx.lookup_sync([1, 2]) == {"e2": {G0: 0b11}}
+    await mgr.close()
+    assert sources.made[1].closed
+
+
+class FlakyIndex(MemoryIndex):
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+        self.touched: list[str] = []
+
+    async def apply(self, instance, b, *, seq=None, reset=False):
+        if self.failures:
+            self.failures -= 1
+            raise ConnectionError("index down")
+        return await super().apply(instance, b, seq=seq, reset=reset)
+
+    async def touch(self, instance: str) -> None:
+        self.touched.append(instance)
+
+
+async def test_index_errors_are_retried_and_never_stop_the_loop():
+    idx, reg = FlakyIndex(failures=2), CollectorRegistry()
+    script = [got(0, batch(stored([1]))), object(), got(1, batch(stored([2]), ts=2.0))]
+    mgr = IngestManager(idx, registry=reg, source_factory=Sources(script), retry_delays=(0, 0))
+    await mgr.add_instance("e1", "tcp://x:1")
+    await mgr.wait_for_seq("e1", 1)
+    assert idx.lookup_sync([1, 2]) == {"e1": {G0: 0b11}}
+    assert metric(reg, "kvroute_ingest_errors_total", instance="e1") == 2
+    await mgr.close()
+
+
+async def test_an_index_that_keeps_failing_forces_a_resync():
+    idx, reg = FlakyIndex(failures=3), CollectorRegistry()
+    script = [got(0, batch(stored([1])))]
+    sources = Sources(script, [got(0, batch(stored([1])), replayed=True)])
+    mgr = IngestManager(idx, registry=reg, source_factory=sources, retry_delays=(0, 0))
+    await mgr.add_instance("e1", "tcp://x:1", "tcp://x:2")
+    await eventually(lambda: _async(len(sources.made) == 2))
+    await eventually(lambda: _async(idx.lookup_sync([1]) == {"e1": {G0: 1}}))
+    assert sources.made[1].start_seq == 0
+    ev = "kvroute_ingest_events_total"
+    assert metric(reg, ev, instance="e1", type="BlockStored", status="error") == 1
+    await mgr.close()
+
+
+async def test_layout_is_learned_shared_and_configurable():
+    idx = FlakyIndex(0)
+    layouts = LayoutRegistry()
+    b = batch(stored([1], 0, kind="full_attention"), stored([1], 1, kind="mamba"))
+    sources = Sources([got(0, b)], [got(0, batch(stored([1], 0)))])
+    mgr = IngestManager(idx, layouts, registry=CollectorRegistry(), source_factory=sources)
+    mgr_heartbeat = IngestManager(
+        idx, registry=CollectorRegistry(), source_factory=Sources(), heartbeat_s=0.05
+    )
+    await mgr.add_instance("e1", "tcp://x:1")
+    await mgr.add_instance("e2", "tcp://x:2", layout=InstanceLayout.full(32))
+    await mgr.wait_for_seq("e1", 0)
+    await mgr.wait_for_seq("e2", 0)
+    shared = await idx.get_layouts()
+    assert InstanceLayout.from_dict(shared["e1"]).groups[1].kind == "mamba"
+    assert layouts.get("e2") == InstanceLayout.full(32)
+    await mgr_heartbeat.add_instance("e3", "tcp://x:3")
+    await eventually(lambda: _async("e3" in idx.touched))
+    await mgr.remove_instance("e1")
+    assert "e1" not in await idx.get_layouts() and layouts.get("e1") is None
+    await mgr.close()
+    await mgr_heartbeat.close()
+
+
+class SlowCloseSource(ScriptedSource):
+    """A source whose close() swallows the caller's cancellation while it waits."""
+
+    async def close(self) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(0.3)
+        await super().close()
+
+
+async def test_removing_an_instance_stops_it_even_if_its_source_swallows_a_cancel():
+    idx = MemoryIndex()
+    made: list[ScriptedSource] = []
+
+    def factory(source, start_seq):
+        s = SlowCloseSource(source, start_seq)
+        s.items.put_nowait(BatchesMissed(0, 0))  # forces a resync: close, re-subscribe
+        made.append(s)
+        return s
+
+    mgr = IngestManager(idx, registry=CollectorRegistry(), source_factory=factory)
+    await mgr.add_instance("e1", "tcp://x:1", "tcp://x:2")
+    await asyncio.sleep(0.1)  # the loop is now inside the slow close
+    removal = asyncio.get_running_loop().create_task(mgr.remove_instance("e1"))
+    done, _ = await asyncio.wait({removal}, timeout=4)
+    assert removal in done, "remove_instance hung"
+    count = len(made)
+    await asyncio.sleep(0.5)
+    assert len(made) == count <= 2  # nothing re-subscribes after removal
+    await mgr.close()
+
+
+# ---- real sockets: events.publisher -> events.subscriber -> ingest -> index ----------------
+
+
+@pytest.fixture
+def endpoints():
+    pub, rep = free_port(), free_port()
+    return (
+        (f"tcp://*:{pub}", f"tcp://*:{rep}"),
+        (f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}"),
+    )
+
+
+async def test_real_publisher_subscriber_path_feeds_the_index(index, endpoints):
+    (bind, bind_replay), (conn, conn_replay) = endpoints
+    pub = ZmqEventPublisher(endpoint=bind, replay_endpoint=bind_replay, buffer_steps=100)
+    mgr = IngestManager(index, registry=CollectorRegistry())
+    try:
+        pub.publish(batch(stored([1, 2, 3], 0), stored([2, 3], 1), ts=time.time()))
+        pub.publish(batch(stored([3], 0, "CPU", block_size=0), ts=time.time()))
+        # start_seq=0: what was published before we subscribed comes from replay.
+        await mgr.add_instance("e1", conn, conn_replay, start_seq=0)
+        await catch_up(mgr, "e1", pub, 1)
+        pub.publish(batch(removed([2], 1), ts=time.time()))
+        await catch_up(mgr, "e1", pub, 2)
+        assert (await index.lookup([1, 2, 3]))["e1"] == {G0: 0b111, G1: 0b100, C0: 0b100}
+        assert (await index.cursor("e1"))[1] >= 2
+    finally:
+        await mgr.close()
+        pub.shutdown()
+
+
+async def rebind(bind: str, bind_replay: str) -> ZmqEventPublisher:
+    """A new publisher on the same ports once the old one's sockets have let go."""
+    for _ in range(50):
+        try:
+            return ZmqEventPublisher(endpoint=bind, replay_endpoint=bind_replay)
+        except zmq.ZMQError:
+            await asyncio.sleep(0.1)
+    raise AssertionError("ports never became free")
+
+
+async def test_real_publisher_restart_drops_the_old_incarnation(index, endpoints):
+    (bind, bind_replay), (conn, conn_replay) = endpoints
+    reg = CollectorRegistry()
+    mgr = IngestManager(index, registry=reg)
+    old = ZmqEventPublisher(endpoint=bind, replay_endpoint=bind_replay)
+    try:
+        for i in range(10):
+            old.publish(batch(stored([100 + i]), ts=time.time()))
+        await mgr.add_instance("e1", conn, conn_replay, start_seq=0)
+        await catch_up(mgr, "e1", old, 9)
+        assert len(await index.lookup(list(range(100, 110)))) == 1
+    finally:
+        old.shutdown()
+    new = await rebind(bind, bind_replay)
+    try:
+        new.publish(batch(stored([7]), ts=time.time()))
+
+        async def only_new():
+            if await index.lookup([*range(100, 110), 7]) == {"e1": {G0: 1 << 10}}:
+                return True
+            new.publish(KVEventBatch(ts=time.time(), events=[]))
+            await asyncio.sleep(0.1)
+            return False
+
+        await eventually(only_new)
+        assert metric(reg, "kvroute_ingest_restarts_total", instance="e1") == 1
+    finally:
+        await mgr.close()
+        new.shutdown()
+
+
+async def test_two_routers_ingesting_one_source_into_redis_apply_each_batch_once(
+    redis_server, endpoints
+):
+    (bind, bind_replay), (conn, conn_replay) = endpoints
+    ns = new_namespace()
+    idx_a, idx_b = (RedisIndex(redis_server.url, namespace=ns) for _ in range(2))
+    reg_a, reg_b = CollectorRegistry(), CollectorRegistry()
+    a, b = IngestManager(idx_a, registry=reg_a), IngestManager(idx_b, registry=reg_b)
+    pub = ZmqEventPublisher(endpoint=bind, replay_endpoint=bind_replay)
+    try:
+        for i in range(6):  # the same block stored three times, removed twice
+            ev = stored([42]) if i % 2 == 0 else removed([42]) if i < 5 else stored([43])
+            pub.publish(batch(ev, ts=time.time()))
+        await a.add_instance("e1", conn, conn_replay, start_seq=0)
+        await b.add_instance("e1", conn, conn_replay, start_seq=0)
+        last = await catch_up(a, "e1", pub, 5)
+        await catch_up(b, "e1", pub, last)
+        assert (await idx_b.lookup([42, 43]))["e1"] == {G0: 0b11}  # refcount 3 - 2 = 1
+        await a.wait_for_seq("e1", last)
+        ev = "kvroute_ingest_events_total"
+        applied = sum(
+            metric(r, ev, instance="e1", type=t, status="applied")
+            for r in (reg_a, reg_b)
+            for t in ("BlockStored", "BlockRemoved")
+        )
+        assert applied == 6
+        await idx_a.apply("e1", batch(removed([42]), ts=time.time()))
+        assert (await idx_b.lookup([42, 43]))["e1"] == {G0: 0b10}
+    finally:
+        await a.close()
+        await b.close()
+        pub.shutdown()
+        await idx_a.clear("e1")
+        await idx_a.close()
+        await idx_b.close()
