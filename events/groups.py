@@ -94,18 +94,43 @@ def _full_prefix_mask(mask: int) -> int:
     return ((mask + 1) & ~mask).bit_length() - 1
 
 
+def _runs(mask: int, width: int) -> int:
+    """Bit j set iff bits j .. j+width-1 of ``mask`` are all set (by doubling)."""
+    out, have = mask, 1
+    # Invariant: out has bit j iff `have` consecutive bits start at j.
+    while have < width:
+        shift = min(have, width - have)
+        out &= out >> shift
+        have += shift
+    return out
+
+
 def _servable(spec: KVCacheSpec, mask: int, limit_blocks: int, align_blocks: int) -> int:
     """Largest n <= limit_blocks, n % align_blocks == 0, that ``spec`` can serve (blocks)."""
     n = limit_blocks - limit_blocks % align_blocks
+    if n <= 0:
+        return 0
     if isinstance(spec, FullAttentionSpec):
         p = min(_full_prefix_mask(mask), n)
         return p - p % align_blocks
     if isinstance(spec, MambaSpec):
         # Rightmost cached state block whose end is aligned.
+        if align_blocks == 1:
+            return (mask & ((1 << n) - 1)).bit_length()
         while n > 0 and not (mask >> (n - 1)) & 1:
             n -= align_blocks
         return max(n, 0)
     need = spec.window_blocks
+    if need == 0:  # a window of one token needs no earlier block
+        return n
+    if align_blocks == 1:
+        # A window of `need` cached blocks ending at n, for the largest n >= need ...
+        if n >= need:
+            starts = _runs(mask, need) & ((1 << (n - need + 1)) - 1)
+            if starts:
+                return starts.bit_length() - 1 + need
+        # ... else the short-prefix case: every block from 0.
+        return min(_full_prefix_mask(mask), n, need - 1)
     while n > 0:
         lo = max(0, n - need)
         width = n - lo
