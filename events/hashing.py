@@ -14,6 +14,7 @@ import array
 import hashlib
 import os
 import pickle
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -114,7 +115,7 @@ def hash_request_blocks(
         return []
     prev = parent if parent else none_hash(algo, seed)
     if algo in ("sha256_cbor", "xxhash_cbor"):
-        return _hash_cbor_fast(token_ids, block_size, num_blocks, prev, extra_keys, _DIGESTS[algo])
+        return _hash_cbor_fast(token_ids, block_size, num_blocks, prev, extra_keys, algo)
     hash_fn = get_hash_fn(algo)
     out: list[bytes] = []
     # Python ints: pickle of a numpy scalar differs from pickle of an int.
@@ -127,6 +128,14 @@ def hash_request_blocks(
 
 
 # ---- fast canonical-CBOR path -------------------------------------------------------
+#
+# Each block's message is ``83 <bytes head> <parent> <array head> <tokens...> f6``. The part
+# after the parent is built for all blocks at once with numpy: every token's canonical CBOR is
+# staged right-aligned in a fixed-width slot (head byte, then the big-endian argument), the
+# array head and the trailing null get slots of their own, and one boolean mask drops the
+# unused leading bytes of every slot. The chain loop then only feeds (parent, chunk) into a
+# copy of a hasher that has already absorbed the constant prefix: in OpenSSL 3 copying a
+# context is cheaper than creating one, and most of the loop's time is per-call overhead.
 
 
 def _cbor_head(major: int, n: int) -> bytes:
@@ -143,59 +152,73 @@ def _cbor_head(major: int, n: int) -> bytes:
     return bytes([mt | 27]) + n.to_bytes(8, "big")
 
 
-def _encode_uints(tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
-    """Canonical CBOR of each uint in ``tokens``, concatenated; plus each item's end offset."""
-    if int(tokens.max(initial=0)) < _TABLE_MAX_IDS:
-        enc, size = _token_table(int(tokens.max(initial=0)) + 1)
-        sizes = size.take(tokens)
-        body = enc.take(tokens, axis=0)[_PREFIX_MASK.take(sizes, axis=0)].tobytes()
-        return body, np.cumsum(sizes, dtype=np.int64)
-    return _encode_uints_wide(tokens)
-
-
-# Per-token canonical CBOR, precomputed: row t = head byte + big-endian argument, padded to 9.
+_HEAD_BYTE = np.array([0, 0, 0x18, 0x19, 0, 0x1A, 0, 0, 0, 0x1B], dtype=np.uint64)  # by size
+# _KEEP[w][n]: which bytes of a w-wide slot hold an n-byte item (the last n).
+_KEEP = {w: np.arange(w)[None, :] >= w - np.arange(w + 1)[:, None] for w in (5, 9)}
 _TABLE_MAX_IDS = 1 << 22
-_PREFIX_MASK = np.arange(9)[None, :] < np.arange(10)[:, None]  # row n: first n bytes
 _table: tuple[np.ndarray, np.ndarray] | None = None
+_split_codes = np.empty((0, 1), dtype=np.uint8)
 
 
-def _size_and_head(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    big = t >= 0x100000000
-    size = 1 + (t >= 24) + (t >= 0x100) + 2 * (t >= 0x10000).astype(np.int64) + 4 * big
-    head = np.where(
-        t < 24, t, np.where(t < 0x100, 24, np.where(t < 0x10000, 25, np.where(big, 27, 26)))
-    )
-    return size.astype(np.int64), head.astype(np.uint8)
+def _right_aligned(t: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Canonical CBOR of each uint in ``t``, right-aligned in ``width`` bytes; plus sizes."""
+    t = t.astype(np.uint64, copy=False)
+    size = 1 + (t >= 24) + (t >= 0x100) + 2 * (t >= 0x10000) + 4 * (t >= 0x100000000)
+    size = size.astype(np.uint8)
+    slot = np.empty((t.size, width), dtype=np.uint8)
+    be = t.astype(">u8").view(np.uint8).reshape(-1, 8)
+    slot[:, max(0, width - 8) :] = be[:, max(0, 8 - width) :]
+    heads = np.where(size == 1, t, _HEAD_BYTE[size]).astype(np.uint8)
+    slot[np.arange(t.size), width - size.astype(np.intp)] = heads
+    return slot, size
 
 
 def _token_table(min_ids: int) -> tuple[np.ndarray, np.ndarray]:
-    """The encoding table covering ids < max(min_ids, 2**18), grown by doubling."""
+    """5-byte slots and sizes for ids < max(min_ids, 2**18), grown by doubling."""
     global _table
     if _table is None or len(_table[1]) < min_ids:
         n = max(1 << 18, 1 << (min_ids - 1).bit_length())
-        ids = np.arange(n, dtype=np.uint64)
-        size, head = _size_and_head(ids)
-        enc = np.zeros((n, 9), dtype=np.uint8)
-        enc[:, 0] = head
-        be = ids.astype(">u8").view(np.uint8).reshape(n, 8)
-        for nbytes in (1, 2, 4):
-            sel = size == nbytes + 1
-            enc[sel, 1 : 1 + nbytes] = be[sel, 8 - nbytes :]
-        _table = (enc, size)
+        _table = _right_aligned(np.arange(n, dtype=np.uint64), 5)
     return _table
 
 
-def _encode_uints_wide(tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
-    """Table-free variant for ids beyond the table (up to 2**64 - 1)."""
-    t = tokens.astype(np.uint64, copy=False)
-    size, head = _size_and_head(t)
-    enc = np.zeros((t.size, 9), dtype=np.uint8)
-    enc[:, 0] = head
-    be = t.astype(">u8").view(np.uint8).reshape(-1, 8)
-    for nbytes in (1, 2, 4, 8):
-        sel = size == nbytes + 1
-        enc[sel, 1 : 1 + nbytes] = be[sel, 8 - nbytes :]
-    return enc[_PREFIX_MASK.take(size, axis=0)].tobytes(), np.cumsum(size)
+def _split(buf: bytes, lens: np.ndarray) -> tuple[bytes, ...]:
+    """``buf`` cut into pieces of ``lens`` bytes by one struct unpack: the format ("071s069s...")
+    is gathered from a table of zero-padded codes, which beats 500 Python-level slices."""
+    global _split_codes
+    codes, top = _split_codes, int(lens.max())
+    if top >= 100_000:  # giant blocks, hence few: plain formatting is fine
+        return struct.unpack("".join(f"{n}s" for n in lens.tolist()), buf)
+    if top >= len(codes):
+        ndig = len(str(top))
+        text = "".join(f"{n:0{ndig}d}s" for n in range(10**ndig)).encode()
+        codes = _split_codes = np.frombuffer(text, dtype=np.uint8).reshape(10**ndig, ndig + 1)
+    return struct.Struct(codes.take(lens, axis=0).tobytes()).unpack(buf)
+
+
+def _block_chunks(tokens: np.ndarray, block_size: int, num_blocks: int) -> tuple[bytes, ...]:
+    """Per block: ``<array head> <canonical CBOR of each token> f6`` (null extra keys)."""
+    top = int(tokens.max())
+    width = 5 if top < 0x100000000 else 9
+    stage = np.empty((num_blocks, block_size + 2, width), dtype=np.uint8)
+    sizes = np.empty((num_blocks, block_size + 2), dtype=np.uint8)
+    blocks = tokens.reshape(num_blocks, block_size)
+    if top < _TABLE_MAX_IDS:
+        enc, size = _token_table(top + 1)
+        stage[:, 1:-1] = enc.take(blocks, axis=0)
+        sizes[:, 1:-1] = size.take(blocks)
+    else:
+        enc, size = _right_aligned(tokens, width)
+        stage[:, 1:-1] = enc.reshape(num_blocks, block_size, width)
+        sizes[:, 1:-1] = size.reshape(num_blocks, block_size)
+    array_head = _cbor_head(4, block_size)
+    stage[:, 0, width - len(array_head) :] = np.frombuffer(array_head, dtype=np.uint8)
+    sizes[:, 0] = len(array_head)
+    stage[:, -1, -1] = 0xF6
+    sizes[:, -1] = 1
+    # compress and einsum: about 1.5x and 2x faster than stage[mask] and sizes.sum(axis=1)
+    body = np.compress(_KEEP[width].take(sizes, axis=0).ravel(), stage).tobytes()
+    return _split(body, np.einsum("ij->i", sizes, dtype=np.int64))
 
 
 def _as_uint_array(token_ids: Sequence[int], n: int) -> np.ndarray | None:
@@ -203,12 +226,14 @@ def _as_uint_array(token_ids: Sequence[int], n: int) -> np.ndarray | None:
     if isinstance(token_ids, np.ndarray):
         arr = token_ids[:n]
     else:
-        head = token_ids[:n] if isinstance(token_ids, list | tuple) else list(token_ids)[:n]
-        try:
-            arr = np.frombuffer(array.array("I", head), dtype=np.uint32)  # fastest list path
+        if not isinstance(token_ids, list | tuple):
+            token_ids = list(token_ids)
+        head = token_ids if len(token_ids) == n else token_ids[:n]  # a slice copies
+        try:  # array.array is the fastest list -> buffer conversion
+            arr = np.frombuffer(array.array("I", head), dtype=np.uint32)
         except OverflowError:
             try:
-                arr = np.array(head, dtype=np.uint64)
+                arr = np.frombuffer(array.array("Q", head), dtype=np.uint64)
             except OverflowError:
                 return None
     if arr.dtype.kind == "i" and arr.size and int(arr.min()) < 0:
@@ -222,26 +247,35 @@ def _hash_cbor_fast(
     num_blocks: int,
     prev: bytes,
     extra_keys: Sequence[tuple[Any, ...] | None] | None,
-    digest: Callable[[bytes], bytes],
+    algo: str,
 ) -> list[bytes]:
     arr = _as_uint_array(token_ids, num_blocks * block_size)
     if arr is None:
         # Negative ids never occur in practice; let cbor2 handle them exactly.
         tokens = [int(t) for t in list(token_ids)[: num_blocks * block_size]]
+        digest = _DIGESTS[algo]
         return _hash_cbor_general(tokens, block_size, num_blocks, prev, extra_keys, digest)
-    body, ends = _encode_uints(arr)
-    bounds = [0, *ends[block_size - 1 :: block_size].tolist()]
-    tokens_head = _cbor_head(4, block_size)
-    chained_head = b"\x83" + _cbor_head(2, len(digest(b"")))  # every digest after the first
+    chunks: Sequence[bytes] = _block_chunks(arr, block_size, num_blocks)
+    keys = extra_keys[:num_blocks] if extra_keys is not None else ()
+    if any(k is not None for k in keys):  # replace the null tail where a block has keys
+        chunks = [c if k is None else c[:-1] + _cbor(k) for c, k in zip(chunks, keys, strict=True)]
     head = b"\x83" + _cbor_head(2, len(prev))  # the seed parent may differ in length
     out: list[bytes] = []
     append = out.append
-    for i in range(num_blocks):
-        keys = extra_keys[i] if extra_keys is not None else None
-        tail = b"\xf6" if keys is None else _cbor(keys)
-        prev = digest(b"".join((head, prev, tokens_head, body[bounds[i] : bounds[i + 1]], tail)))
+    if algo == "xxhash_cbor":  # xxh3 is so cheap that one-shot calls beat copy + update
+        digest = xxhash.xxh3_128_digest
+        for chunk in chunks:
+            prev = digest(head + prev + chunk)
+            append(prev)
+            head = b"\x83\x50"  # array(3), then a 16-byte string: an xxh3_128 parent
+        return out
+    h, copy = hashlib.sha256(head), hashlib.sha256(b"\x83\x58\x20").copy  # 32-byte parent
+    for chunk in chunks:
+        h.update(prev)
+        h.update(chunk)
+        prev = h.digest()
         append(prev)
-        head = chained_head
+        h = copy()
     return out
 
 
