@@ -11,11 +11,13 @@ from kvroute_cli.bench_cmd import app as bench_app
 from kvroute_cli.engine_cmd import engine
 from kvroute_cli.events_cmd import app as events_app
 from kvroute_cli.router_cmd import router
+from kvroute_cli.up_cmd import up
 
 app = typer.Typer(no_args_is_help=True, help="KV event streaming and hybrid prefix-aware routing.")
 app.add_typer(events_app, name="events", help="Inspect vLLM KV event streams.")
 app.command("engine")(engine)
 app.command("router")(router)
+app.command("up")(up)
 app.add_typer(bench_app, name="bench", help="Benchmarks that print numbers and write a report.")
 
 

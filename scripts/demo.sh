@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/kvroute events tail --help
+exec .venv/bin/kvroute up --policies cost,round_robin "$@"

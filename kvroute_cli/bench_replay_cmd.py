@@ -1,0 +1,165 @@
+"""``kvroute bench replay`` and ``kvroute bench overhead`` (registered in ``bench_cmd``)."""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+import typer
+
+__all__ = ["overhead", "replay"]
+
+DEFAULT_ROUTERS = "ours:cost,ours:prefix_full_only,ours:round_robin,vllm-router,sglang-router"
+
+
+def _command(name: str) -> str:
+    """The command line as a user would type it, whatever entry point ran it."""
+    argv = sys.argv
+    rest = argv[argv.index(name) + 1 :] if name in argv else argv[1:]
+    return shlex.join(["kvroute", "bench", name, *rest])
+
+
+def _routers(text: str) -> list[str]:
+    from bench.replay.config import parse_router
+
+    names = [r.strip() for r in text.split(",") if r.strip()]
+    try:
+        for r in names:
+            parse_router(r)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--routers") from exc
+    if not names:
+        raise typer.BadParameter("no routers given", param_hint="--routers")
+    return names
+
+
+def replay(
+    trace: Path = typer.Option(
+        None, exists=True, dir_okay=False, help="Mooncake JSONL trace (else --workload)."
+    ),
+    workload: str = typer.Option(
+        None, help="Generate instead of a trace: chat | agent | mixed (uses --seed)."
+    ),
+    sessions: int = typer.Option(100, help="Generated workload: sessions."),
+    session_rate: float = typer.Option(1.0, help="Generated workload: session starts per s."),
+    engines: int = typer.Option(8, min=1),
+    profile: str = typer.Option("swa-hybrid", help="full | swa-hybrid | mamba-hybrid"),
+    routers: str = typer.Option(DEFAULT_ROUTERS, help="Comma-separated, in run order."),
+    requests: int = typer.Option(None, min=1, help="Replay this many requests (default all)."),
+    start: int = typer.Option(0, min=0, help="Skip this many requests first."),
+    sample: float = typer.Option(
+        None, help="Keep whole conversations with this probability (before --start/--requests)."
+    ),
+    time_scale: float = typer.Option(1.0, help="Arrivals and engine steps S times faster."),
+    mode: str = typer.Option("live", help="live | sim | both (sim-vs-live agreement)."),
+    out: Path = typer.Option(Path("bench-results/replay"), help="Report directory."),
+    max_output_tokens: int = typer.Option(64, min=1, help="Cap on each request's output."),
+    gpu_blocks: int = typer.Option(16_384, help="GPU KV blocks per engine."),
+    cpu_blocks: int = typer.Option(65_536, help="CPU-tier blocks per engine (0 = off)."),
+    blocks_per_chunk: int = typer.Option(4),
+    sliding_window: int = typer.Option(1024),
+    prefill_tokens_per_s: float = typer.Option(10_000.0),
+    max_num_seqs: int = typer.Option(64),
+    seed: int = typer.Option(0, help="Prompt text, workload and tie-breaking seed."),
+    jobs: int = typer.Option(1, min=1, help="Sim mode: policies simulated in parallel."),
+    deadline: float = typer.Option(900.0, help="Live mode: seconds per router before giving up."),
+) -> None:
+    """Replay a trace through each router on fresh engines; write report.md, results.json and
+    plots (TTFT CDF, hit ratio, load per instance) under --out."""
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from bench.replay.config import EngineConfig, ReplayConfig
+    from bench.replay.run import MODES, ReplayJob, run_replay
+    from bench.replay.workload import WORKLOAD_KINDS, WorkloadConfig
+
+    if (trace is None) == (workload is None):
+        raise typer.BadParameter("give exactly one of --trace and --workload")
+    if workload is not None and workload not in WORKLOAD_KINDS:
+        raise typer.BadParameter(f"expected one of {WORKLOAD_KINDS}", param_hint="--workload")
+    if mode not in MODES:
+        raise typer.BadParameter(f"expected one of {MODES}", param_hint="--mode")
+    if time_scale <= 0:
+        raise typer.BadParameter("must be positive", param_hint="--time-scale")
+    engine = EngineConfig(
+        profile=profile,
+        gpu_blocks=gpu_blocks,
+        cpu_blocks=cpu_blocks,
+        blocks_per_chunk=blocks_per_chunk,
+        sliding_window=sliding_window,
+        prefill_tokens_per_s=prefill_tokens_per_s,
+        max_num_seqs=max_num_seqs,
+    )
+    cfg = ReplayConfig(
+        engines=engines,
+        engine=engine,
+        time_scale=time_scale,
+        max_output_tokens=max_output_tokens,
+        seed=seed,
+    )
+    wl = None
+    if workload is not None:
+        wl = WorkloadConfig(kind=workload, sessions=sessions, session_rate_per_s=session_rate)
+    job = ReplayJob(
+        out=out,
+        routers=_routers(routers),
+        config=cfg,
+        mode=mode,
+        trace=trace,
+        workload=wl,
+        requests=requests,
+        start=start,
+        sample=sample,
+        jobs=jobs,
+        live_deadline_s=deadline,
+        command=_command("replay"),
+    )
+    console = Console()
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    with Progress(console=console, transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(label: str, done: int, total: int) -> None:
+            if label not in tasks:
+                tasks[label] = bar.add_task(label, total=total)
+            bar.update(tasks[label], completed=done)
+
+        results = run_replay(job, progress)
+    for mode_name, summaries in results["summaries"].items():
+        table = Table(title=f"{mode_name}: {results['trace']['requests']} requests")
+        for col in ("router", "ok", "hit", "GPU", "CPU", "TTFT p50", "p90", "p99 ms", "exact"):
+            table.add_column(col, justify="right")
+        for name, s in summaries.items():
+            table.add_row(
+                name,
+                f"{s['ok']}/{s['requests']}",
+                f"{100 * s['hit_ratio']:.1f}%",
+                f"{100 * s['gpu_hit_ratio']:.1f}%",
+                f"{100 * s['cpu_hit_ratio']:.1f}%",
+                *(f"{s[k]:.0f}" if s[k] is not None else "-" for k in
+                  ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms")),
+                "-" if s["prediction_exact"] is None else f"{100 * s['prediction_exact']:.1f}%",
+            )  # fmt: skip
+        console.print(table)
+    console.print(f"oracle hit ratio {100 * results['trace']['oracle_hit_ratio']:.1f}%")
+    console.print(f"report: {out / 'report.md'}")
+
+
+def overhead(
+    out: Path = typer.Option(Path("bench-results/overhead"), help="Report directory."),
+    routers: str = typer.Option(DEFAULT_ROUTERS, help="Comma-separated routers to measure."),
+    requests: int = typer.Option(200, min=10, help="Requests per phase."),
+    concurrency: int = typer.Option(4, min=1, help="Clients in the concurrent phase."),
+) -> None:
+    """Latency each router adds per request vs calling an engine directly (p50/p99), and
+    our in-process routing decision time."""
+    from rich.console import Console
+
+    from bench.replay.overhead import run_overhead
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    run_overhead(_routers(routers), out, requests, concurrency, command=_command("overhead"))
+    Console().print((out / "overhead.md").read_text())

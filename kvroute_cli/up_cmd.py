@@ -1,0 +1,192 @@
+"""``kvroute up``: engines + router on loopback, a multi-turn demo workload, a results table.
+
+The logic lives in :mod:`bench.demo`; this module only draws (Rich progress bar and table)
+and turns SIGTERM into the same clean shutdown as Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import typer
+
+
+def _parse_policies(text: str) -> tuple[str, ...]:
+    from router.policy import POLICIES as POLICY_NAMES  # stdlib-only module: cheap
+
+    names = (
+        POLICY_NAMES
+        if text.strip() == "all"
+        else tuple(p.strip() for p in text.split(",") if p.strip())
+    )
+    unknown = [p for p in names if p not in POLICY_NAMES]
+    if unknown or not names:
+        raise typer.BadParameter(
+            f"unknown policy {unknown}; use a comma list of {', '.join(POLICY_NAMES)} or 'all'",
+            param_hint="--policies",
+        )
+    return tuple(dict.fromkeys(names))
+
+
+def _fmt_ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f} ms"
+
+
+def _fmt_tokens(n: int) -> str:
+    return f"{n / 1000:.1f}k" if n >= 1000 else str(n)
+
+
+def _table(report: dict[str, Any]) -> Any:
+    """One row per policy; narrow enough for an 80-column terminal."""
+    from rich import box
+    from rich.table import Table
+
+    cfg = report["config"]
+    rows = report["rows"]
+    sources = sorted({r["prediction_source"] for r in rows if r["prediction_source"]})
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        title=f"kvroute up: {cfg['conversations']} conversations x {cfg['turns']} turns",
+        caption=(
+            f"{cfg['engines']} {cfg['profile']} engines ({cfg['gpu_blocks']} GPU / "
+            f"{cfg['cpu_blocks']} CPU blocks, time x{cfg['time_scale']:g}), index "
+            f"{cfg['index']}. hit: cached / prompt tokens (engine-reported); GPU/CPU tok: "
+            "tokens reused from each tier; TTFT at the client; exact: share of requests whose "
+            "predicted hit (router"
+            + (f", from {' and '.join(sources)}" if sources else "")
+            + ") equals the actual hit (engine); spread: requests per engine."
+        ),
+    )
+    table.add_column("policy", style="bold", no_wrap=True)
+    table.add_column("hit", justify="right")
+    table.add_column("GPU/CPU tok", justify="right")
+    table.add_column("TTFT p50", justify="right")
+    table.add_column("TTFT p90", justify="right")
+    table.add_column("exact", justify="right")
+    table.add_column("spread", justify="right")
+    for row in rows:
+        acc = row["prediction_accuracy"]
+        spread = "/".join(str(n) for n in sorted(row["per_instance"].values(), reverse=True))
+        table.add_row(
+            row["policy"],
+            f"{row['hit_ratio']:.1%}",
+            f"{_fmt_tokens(row['gpu_hit_tokens'])}/{_fmt_tokens(row['cpu_hit_tokens'])}",
+            _fmt_ms(row["ttft_p50_ms"]),
+            _fmt_ms(row["ttft_p90_ms"]),
+            "n/a" if acc is None else f"{acc:.0%}",
+            spread,
+        )
+    return table
+
+
+def up(
+    engines: int = typer.Option(3, min=1, max=16, help="Simulated engines to start."),
+    profile: str = typer.Option("swa-hybrid", help="full | swa-hybrid | mamba-hybrid"),
+    index: str = typer.Option(
+        "memory", help="memory | redis (a private redis-server) | redis://host:port/db"
+    ),
+    policies: str = typer.Option(
+        "cost", help="Comma list of cost, round_robin, least_loaded, prefix_full_only, or all."
+    ),
+    conversations: int = typer.Option(8, min=1, help="Concurrent conversations."),
+    turns: int = typer.Option(5, min=1, help="Turns per conversation."),
+    max_tokens: int = typer.Option(24, min=1, help="Tokens generated per turn."),
+    gpu_blocks: int = typer.Option(512, min=1, help="GPU KV blocks per engine (small: evicts)."),
+    cpu_blocks: int = typer.Option(1024, min=0, help="CPU offload blocks per engine; 0 = off."),
+    time_scale: float = typer.Option(1.0, min=0.01, help="Engines run X times real time."),
+    seed: int = typer.Option(0, help="Workload seed (same seed, same prompts)."),
+    keep_logs: bool = typer.Option(False, help="Keep child process logs (always on failure)."),
+    out: Path = typer.Option(None, help="Also write the full report (per request) as JSON."),
+) -> None:
+    """Start engines and the router on 127.0.0.1, run a short multi-turn chat workload per
+    policy (fresh engines each), print hit ratio, TTFT and prediction accuracy, stop all."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TaskID,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    from bench.demo import DemoError, Observer, RequestRecord, run_up
+
+    names = _parse_policies(policies)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request
+    if not (index in ("memory", "redis") or index.startswith("redis://")):
+        raise typer.BadParameter("use memory, redis or redis://host:port/db", param_hint="--index")
+    console = Console()
+
+    class _Bar(Observer):
+        """One line per policy: what it is doing, and its requests done so far."""
+
+        def __init__(self, progress: Progress) -> None:
+            self.progress = progress
+            self.tasks: dict[str, TaskID] = {}
+
+        def round_started(self, policy: str, total_requests: int) -> None:
+            self.tasks[policy] = self.progress.add_task(policy, total=total_requests)
+
+        def phase(self, policy: str, text: str) -> None:
+            self.progress.update(self.tasks[policy], description=f"{policy}: {text}")
+
+        def request_done(self, policy: str, record: RequestRecord) -> None:
+            self.progress.advance(self.tasks[policy])
+
+    def _sigterm(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        with Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        ) as progress:
+            report = run_up(
+                engines=engines,
+                profile=profile,
+                index=index,
+                policies=names,
+                turns=turns,
+                conversations=conversations,
+                time_scale=time_scale,
+                seed=seed,
+                observer=_Bar(progress),
+                keep_logs=keep_logs,
+                max_tokens=max_tokens,
+                gpu_blocks=gpu_blocks,
+                cpu_blocks=cpu_blocks,
+            )
+    except ValueError as exc:  # a setting DemoConfig rejects (e.g. an unknown profile)
+        raise typer.BadParameter(str(exc)) from None
+    except DemoError as exc:
+        console.print(f"[red]kvroute up failed:[/red] {escape(str(exc))}")
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted; engines and router stopped[/yellow]")
+        raise typer.Exit(130) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    console.print(_table(report))
+    console.print(
+        f"all {len(report['pids'])} child processes stopped; total {report['wall_s']:.1f} s"
+    )
+    if report["log_dir"]:
+        console.print(f"logs: {report['log_dir']}")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
+        console.print(f"report: {out}")
