@@ -91,11 +91,15 @@ def _normalise_batch(raw: Any) -> KVEventBatch:
 def _normalise_event(raw: Any) -> KVEvent | None:
     if isinstance(raw, dict):
         kind = raw.get("type")
+        if not isinstance(kind, str):
+            raise DecodeError(f"event type must be a string, got {type(kind).__name__}")
         if kind not in EVENT_TYPES:
             return None  # a newer vLLM's event type: skip it, keep the batch
         fields = {k: raw.get(k) for k in _FIELDS[kind] if k in raw}
     elif isinstance(raw, list) and raw:
         kind = raw[0]
+        if not isinstance(kind, str):
+            raise DecodeError(f"event tag must be a string, got {type(kind).__name__}")
         if kind not in EVENT_TYPES:
             return None
         values = raw[1:]

@@ -34,7 +34,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from events.codec import DecodeError, decode_batch
+from events.codec import decode_batch
 from events.structs import KVEventBatch
 
 __all__ = [
@@ -350,9 +350,9 @@ class ZmqEventSubscriber:
         self._last_payload = payload
         try:
             batch = decode_batch(payload)
-        except DecodeError as exc:
+        except Exception as exc:  # a DecodeError, or a decoder bug: bad input never raises
             self.stats.undecodable += 1
-            logger.warning("%s: undecodable payload at seq %d skipped: %s", self.name, seq, exc)
+            logger.warning("%s: undecodable payload at seq %d skipped: %r", self.name, seq, exc)
             return
         if replayed:
             self.stats.replayed += 1

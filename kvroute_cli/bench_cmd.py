@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from kvroute_cli.bench_chaos_cmd import chaos
+
 app = typer.Typer(no_args_is_help=True)
 
 OUT = typer.Option(Path("bench-results"), help="Directory for the JSON report.")
@@ -76,3 +78,6 @@ def bench_index(
         redis=redis,
         seed=seed,
     )
+
+
+app.command("chaos")(chaos)

@@ -35,7 +35,7 @@ async def _read_json(request: Request, limit: int) -> tuple[bytes, dict[str, Any
             return error_response(f"request body over {limit} bytes", 413, "RequestTooLarge")
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # also bad UTF-8, 4300+ digit ints, deep nesting
         return error_response(f"invalid JSON body: {exc}", 400)
     if not isinstance(data, dict):
         return error_response("request body must be a JSON object", 400)

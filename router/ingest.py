@@ -22,7 +22,7 @@ Per subscriber item (``events.subscriber``; gaps are already healed by replay th
   otherwise new batches would pile onto an empty state and the history never come back.
 
 Bad payloads are counted by the subscriber and skipped; events naming an impossible
-``group_idx`` and batches with an impossible ``ts`` (NaN, a day ahead) are dropped and
+``group_idx`` and batches with an impossible ``ts`` (NaN, an hour ahead) are dropped and
 counted (status ``invalid``); an index error is retried with backoff, then forces a resync.
 Nothing here lets one instance's trouble stop the others.
 """
@@ -51,9 +51,9 @@ log = logging.getLogger(__name__)
 # Far above any model's KV cache group count; bounds what one event can make us allocate
 # (the layout has a spec per group index up to the largest seen).
 _MAX_GROUPS = 1024
-# A batch stamped this far ahead of our clock is corrupt (vLLM stamps time.time()); its
-# (ts, seq) would become the index cursor and make every real batch after it look stale.
-_MAX_CLOCK_AHEAD_S = 24 * 3600.0
+# A batch stamped this far ahead of our clock is corrupt (vLLM stamps time.time()): its
+# (ts, seq) would become the index cursor and make every real batch until then look stale.
+_MAX_CLOCK_AHEAD_S = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,9 +280,9 @@ class IngestManager:
     async def _restart(self, feed: _Feed, old: asyncio.Task[None] | None) -> None:
         """``resync``: stop the previous loop (its ``finally`` closes its subscriber), then
         run a new one that starts by clearing the instance."""
-        if old is not None and not old.done():
+        while old is not None and not old.done():  # (a close inside may swallow one cancel)
             old.cancel()
-            await asyncio.wait({old})  # unlike awaiting it, our own cancellation propagates
+            await asyncio.wait({old}, timeout=1.0)  # our own cancellation still propagates
         if feed.sub is not None:
             with contextlib.suppress(Exception):
                 await feed.sub.close()

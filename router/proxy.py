@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import httpx
@@ -83,7 +83,7 @@ class Forwarder:
         self,
         path: str,
         raw_body: bytes,
-        headers: dict[str, str],
+        headers: Mapping[str, str | bytes],
         decision: RouteDecision,
         streaming: bool,
     ) -> Response:
@@ -110,7 +110,7 @@ class Forwarder:
         inst: Instance,
         path: str,
         raw_body: bytes,
-        headers: dict[str, str],
+        headers: Mapping[str, str | bytes],
         decision: RouteDecision,
         streaming: bool,
     ) -> Response | str:
@@ -140,7 +140,13 @@ class Forwarder:
         except httpx.HTTPError as exc:
             self.metrics.requests.labels(url, "connect_error").inc()
             inst.errors += 1
-            await self.registry.report(inst, False)
+            # Only a refused connection counts against its health. Under load a read also
+            # fails on a pooled connection the engine closed as idle (it finished sending
+            # while we were still relaying), and a connect times out when our own event
+            # loop lags; two of those would take a healthy engine out of rotation and
+            # pile its traffic on the others. A dead engine refuses; probes catch the rest.
+            if isinstance(exc, httpx.ConnectError):
+                await self.registry.report(inst, False)
             return f"{type(exc).__name__}: {exc}"
         finally:
             inst.inflight_requests -= 1
@@ -158,7 +164,8 @@ class Forwarder:
         out_headers = {k: resp.headers[k] for k in _PASS_BACK if k in resp.headers}
         gpu, cpu = decision.predicted(url)
         out_headers["x-kvroute-instance"] = url
-        out_headers["x-kvroute-predicted-hit"] = str(gpu + cpu)
+        if self.policy.uses_scores:  # load-only policies predict nothing
+            out_headers["x-kvroute-predicted-hit"] = str(gpu + cpu)
         outcome = "ok" if resp.status_code < 400 else "upstream_4xx"
         self.metrics.requests.labels(url, outcome).inc()
         return StreamingResponse(
@@ -207,11 +214,13 @@ class Forwarder:
             inst.running_requests -= 1
             self.metrics.running.labels(inst.url).set(inst.running_requests)
             await resp.aclose()
-        if complete and resp.status_code == 200:
+        if complete and resp.status_code == 200 and self.policy.uses_scores:
             reported = parse_usage(bytes(tail), streaming)
             if reported is not None:
                 self.metrics.observe_prediction(decision.predicted(inst.url), reported)
 
 
-def request_headers(headers: Any) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
+def request_headers(headers: Any) -> dict[str, bytes]:
+    """The client's headers minus hop-by-hop ones, values as the bytes received (ASGI
+    servers decode them as latin-1): a non-ASCII value is passed on, never a 500."""
+    return {k: v.encode("latin-1") for k, v in headers.items() if k.lower() not in _HOP_HEADERS}

@@ -47,7 +47,12 @@ class RouterState:
         self.metrics = RouterMetrics()
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(s.request_timeout_s, connect=s.connect_timeout_s),
-            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512),
+            # Drop idle connections before the engines do (uvicorn, hence vLLM, closes them
+            # after 5 s, httpx's default expiry too): reusing one the engine is closing
+            # fails a forward and counts against the instance's health.
+            limits=httpx.Limits(
+                max_connections=4096, max_keepalive_connections=512, keepalive_expiry=2.0
+            ),
         )
         redis_opts: dict[str, Any] = {}
         if s.index.startswith(("redis://", "rediss://", "unix://")):
@@ -64,6 +69,7 @@ class RouterState:
             failures=s.health_failures,
             successes=s.health_successes,
             read_metrics=s.engine_metrics,
+            on_change=self._health_changed,
         )
         self.policy = make_policy(
             s.policy,
@@ -93,6 +99,15 @@ class RouterState:
             on_routed=self.router.routed,
         )
         self._layout_task: asyncio.Task[None] | None = None
+
+    async def _health_changed(self, inst: Instance, up: bool) -> None:
+        """A down instance's cache is unknown -- it may come back restarted, empty: drop
+        its residency now and rebuild it from its events (replay, then the live stream)."""
+        if up:
+            return
+        self.speculative.forget(inst.url)
+        if inst.spec.events and inst.url in self.ingest.instances():
+            self.ingest.resync(inst.url)
 
     def _any_healthy(self) -> str | None:
         healthy = self.registry.healthy()

@@ -52,7 +52,7 @@ async def _parse(request: Request, model: type[BaseModel]) -> BaseModel | JSONRe
             return _error(f"request body over {MAX_BODY_BYTES} bytes", 413, "RequestTooLarge")
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # also bad UTF-8, 4300+ digit ints, deep nesting
         return _error(f"invalid JSON body: {exc}", 400)
     if not isinstance(data, dict):
         return _error("request body must be a JSON object", 400)

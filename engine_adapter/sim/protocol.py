@@ -41,6 +41,13 @@ class ChatMessage(_Lenient):
     role: str
     content: str | list[dict[str, Any]] | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, v: Any) -> Any:
+        if isinstance(v, list) and not all(isinstance(p.get("text", ""), str) for p in v):
+            raise ValueError("a content part's text must be a string")
+        return v
+
 
 class ChatCompletionRequest(_Lenient):
     model: str | None = None
