@@ -1,151 +1,24 @@
-"""Event ingest: one subscriber per engine instance, applied in order into a block index.
-
-Per subscriber item (``events.subscriber``; gaps are already healed by replay there):
-
-* ``BatchReceived`` -> learn the group layout, ``index.apply(instance, batch, seq=...)``.
-  The index skips batches older than its cursor, so re-deliveries and a second ingester
-  of the same source never double count.
-* ``SourceRestarted`` -> the engine restarted and its cache is empty: the *next* batch is
-  applied with ``reset=True``, which drops the instance's state in the same atomic step
-  (two ingesters sharing Redis then reset once, not twice).
-* ``BatchesMissed`` -> state is unknown: clear the instance; with a replay endpoint,
-  re-subscribe from seq 0, i.e. rebuild from everything the publisher still buffers
-  (``buffer_steps`` batches). Older history is lost either way; a rebuilt state may lack
-  blocks (under-predicts) but never holds blocks the engine evicted in the lost range.
-  Missed ranges reported while resyncing are that older history and are only counted.
-* ``remove_instance`` -> stop the subscriber and clear the instance.
-* ``resync`` (the router calls it when an instance goes down: it may come back restarted,
-  with an empty cache) -> clear the instance now, rebuild it from replay (seq 0 on).
-* The index lost the instance (a Redis restarted empty, a heartbeat reaped): once batches
-  were applied, the index must hold the instance's cursor; it is checked before each
-  apply and every ``cursor_check_s`` while idle, and a missing one forces a resync --
-  otherwise new batches would pile onto an empty state and the history never come back.
-
-Bad payloads are counted by the subscriber and skipped; events naming an impossible
-``group_idx`` and batches with an impossible ``ts`` (NaN, an hour ahead) are dropped and
-counted (status ``invalid``); an index error is retried with backoff, then forces a resync.
-Nothing here lets one instance's trouble stop the others.
-"""
+"""``IngestManager``: one event source per instance, applied in order into a block index."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import math
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
 from events.structs import KVEventBatch
 from router.index.base import BlockIndex
+from router.ingest.checks import impossible, plausible_ts
+from router.ingest.metrics import IngestMetrics
+from router.ingest.sources import EventSource, Feed, InstanceSource, SourceFactory
 from router.layout import InstanceLayout, LayoutRegistry
 
-__all__ = ["EventSource", "IngestManager", "IngestMetrics", "InstanceSource"]
-
-log = logging.getLogger(__name__)
-
-# Far above any model's KV cache group count; bounds what one event can make us allocate
-# (the layout has a spec per group index up to the largest seen).
-_MAX_GROUPS = 1024
-# A batch stamped this far ahead of our clock is corrupt (vLLM stamps time.time()): its
-# (ts, seq) would become the index cursor and make every real batch until then look stale.
-_MAX_CLOCK_AHEAD_S = 3600.0
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceSource:
-    """Where an instance publishes (vLLM's ``endpoint`` / ``replay_endpoint`` / ``topic``)."""
-
-    name: str
-    endpoint: str
-    replay_endpoint: str | None = None
-    topic: str = ""
-
-
-class EventSource(Protocol):
-    """What ingest needs of a subscriber (``events.subscriber.ZmqEventSubscriber``)."""
-
-    async def start(self) -> None: ...
-    def __aiter__(self) -> AsyncIterator[Any]: ...
-    async def close(self) -> None: ...
-
-
-SourceFactory = Callable[[InstanceSource, int | None], EventSource]
-
-
-class IngestMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        reg = registry if registry is not None else REGISTRY
-        self.events = Counter(
-            "kvroute_ingest_events",
-            "KV events by instance, type and status (applied; stale: already applied; "
-            "error: the index failed; invalid: impossible group_idx, dropped).",
-            ["instance", "type", "status"],
-            registry=reg,
-        )
-        self.batches = Counter(
-            "kvroute_ingest_batches", "Batches handled.", ["instance", "source"], registry=reg
-        )
-        self.replays = Counter(
-            "kvroute_ingest_replayed_batches",
-            "Batches recovered by replay.",
-            ["instance"],
-            registry=reg,
-        )
-        self.gaps = Counter("kvroute_ingest_gaps", "Sequence gaps.", ["instance"], registry=reg)
-        self.restarts = Counter(
-            "kvroute_ingest_restarts", "Publisher restarts seen.", ["instance"], registry=reg
-        )
-        self.missed = Counter(
-            "kvroute_ingest_missed_batches", "Batches lost for good.", ["instance"], registry=reg
-        )
-        self.undecodable = Counter(
-            "kvroute_ingest_undecodable",
-            "Malformed payloads skipped.",
-            ["instance"],
-            registry=reg,
-        )
-        self.resyncs = Counter(
-            "kvroute_ingest_resyncs", "Instance cleared and rebuilt.", ["instance"], registry=reg
-        )
-        self.errors = Counter(
-            "kvroute_ingest_errors", "Index or source failures.", ["instance"], registry=reg
-        )
-        self.lag = Gauge(
-            "kvroute_ingest_lag_seconds",
-            "now - ts of the last live batch.",
-            ["instance"],
-            registry=reg,
-        )
-        self.lag_hist = Histogram(
-            "kvroute_ingest_batch_lag_seconds",
-            "now - batch ts, live batches.",
-            buckets=(1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0),
-            registry=reg,
-        )
-        self.last_seq = Gauge(
-            "kvroute_ingest_last_seq", "Last sequence number handled.", ["instance"], registry=reg
-        )
-
-
-@dataclass
-class _Feed:
-    source: InstanceSource
-    start_seq: int | None
-    task: asyncio.Task[None] | None = None
-    sub: EventSource | None = None
-    last_seq: int | None = None
-    handled: int = 0
-    pending_reset: bool = False
-    resyncing: bool = False
-    synced: bool = False  # the index holds our cursor: a batch was applied since the clear
-    stopped: bool = False
-    seen_stats: dict[str, int] = field(default_factory=dict)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
+# The name it always had (``router.ingest``): log filters and levels keep working.
+log = logging.getLogger("router.ingest")
 
 
 class IngestManager:
@@ -171,7 +44,7 @@ class IngestManager:
         self._heartbeat_s = heartbeat_s
         self._retry_delays = retry_delays
         self._cursor_check_s = cursor_check_s
-        self._feeds: dict[str, _Feed] = {}
+        self._feeds: dict[str, Feed] = {}
         self._beat: asyncio.Task[None] | None = None
         self._watch: asyncio.Task[None] | None = None
         self._closed = False
@@ -207,7 +80,7 @@ class IngestManager:
             raise ValueError(f"instance {name!r} is already ingested")
         if layout is not None:
             self.layouts.configure(name, layout)
-        feed = _Feed(InstanceSource(name, endpoint, replay_endpoint, topic), start_seq)
+        feed = Feed(InstanceSource(name, endpoint, replay_endpoint, topic), start_seq)
         self._feeds[name] = feed
         feed.task = asyncio.get_running_loop().create_task(self._run(feed), name=f"ingest-{name}")
         if self._heartbeat_s and self._beat is None:
@@ -261,7 +134,7 @@ class IngestManager:
         for feed in list(self._feeds.values()):
             await self._stop(feed)
 
-    async def _stop(self, feed: _Feed) -> None:
+    async def _stop(self, feed: Feed) -> None:
         feed.stopped = True
         task = feed.task
         # Cancel until it ends: an await inside the loop (a subscriber's close) may swallow
@@ -277,7 +150,7 @@ class IngestManager:
 
     # ---- the per-instance loop ---------------------------------------------------------
 
-    async def _restart(self, feed: _Feed, old: asyncio.Task[None] | None) -> None:
+    async def _restart(self, feed: Feed, old: asyncio.Task[None] | None) -> None:
         """``resync``: stop the previous loop (its ``finally`` closes its subscriber), then
         run a new one that starts by clearing the instance."""
         while old is not None and not old.done():  # (a close inside may swallow one cancel)
@@ -288,7 +161,7 @@ class IngestManager:
                 await feed.sub.close()
         await self._run(feed, resync=True)
 
-    async def _run(self, feed: _Feed, *, resync: bool = False) -> None:
+    async def _run(self, feed: Feed, *, resync: bool = False) -> None:
         name = feed.source.name
         start_seq = feed.start_seq
         if resync:
@@ -325,7 +198,7 @@ class IngestManager:
             else:
                 start_seq = None
 
-    async def _handle(self, feed: _Feed, item: Any) -> bool:
+    async def _handle(self, feed: Feed, item: Any) -> bool:
         """Handle one subscriber item; True asks for a resubscription from seq 0."""
         name = feed.source.name
         kind = type(item).__name__
@@ -348,7 +221,7 @@ class IngestManager:
         log.warning("%s: unknown subscriber item %r ignored", name, item)
         return False
 
-    async def _resync(self, feed: _Feed) -> bool:
+    async def _resync(self, feed: Feed) -> bool:
         name = feed.source.name
         self.metrics.resyncs.labels(name).inc()
         log.warning("%s: state unknown, clearing it", name)
@@ -362,11 +235,11 @@ class IngestManager:
         feed.last_seq = None  # waiters wait for the rebuilt state, not the cleared one
         return True
 
-    async def _apply(self, feed: _Feed, seq: int, batch: KVEventBatch, *, replayed: bool) -> bool:
+    async def _apply(self, feed: Feed, seq: int, batch: KVEventBatch, *, replayed: bool) -> bool:
         name = feed.source.name
         m = self.metrics
-        if _plausible_ts(batch.ts):
-            if any(map(_impossible, batch.events)):
+        if plausible_ts(batch.ts):
+            if any(map(impossible, batch.events)):
                 batch = self._drop_impossible(name, batch)
             status = await self._store(feed, seq, batch)
         else:  # applied, its (ts, seq) would make every later batch look stale
@@ -390,7 +263,7 @@ class IngestManager:
         feed.changed.set()
         return status != "error"
 
-    async def _store(self, feed: _Feed, seq: int, batch: KVEventBatch) -> str:
+    async def _store(self, feed: Feed, seq: int, batch: KVEventBatch) -> str:
         """Learn the layout, apply to the index (retrying); ``applied``/``stale``/``error``."""
         name = feed.source.name
         m = self.metrics
@@ -425,16 +298,16 @@ class IngestManager:
         return await self.index.cursor(name) is not None
 
     def _drop_impossible(self, name: str, batch: KVEventBatch) -> KVEventBatch:
-        keep = [ev for ev in batch.events if not _impossible(ev)]
+        keep = [ev for ev in batch.events if not impossible(ev)]
         for ev in batch.events:
-            if _impossible(ev):
+            if impossible(ev):
                 self.metrics.events.labels(name, type(ev).__name__, "invalid").inc()
         log.warning(
             "%s: %d events with impossible group_idx dropped", name, len(batch.events) - len(keep)
         )
         return KVEventBatch(ts=batch.ts, events=keep, data_parallel_rank=batch.data_parallel_rank)
 
-    def _sync_stats(self, feed: _Feed, sub: EventSource) -> None:
+    def _sync_stats(self, feed: Feed, sub: EventSource) -> None:
         """Mirror the subscriber's own counters (gaps, bad payloads) into metrics."""
         stats = getattr(sub, "stats", None)
         if stats is None:
@@ -479,12 +352,3 @@ class IngestManager:
                 if lost and feed.synced and self._feeds.get(name) is feed:
                     log.warning("%s: the index lost this instance's state", name)
                     self.resync(name)
-
-
-def _plausible_ts(ts: float) -> bool:
-    return math.isfinite(ts) and ts < time.time() + _MAX_CLOCK_AHEAD_S
-
-
-def _impossible(ev: object) -> bool:
-    g = getattr(ev, "group_idx", None)
-    return g is not None and not 0 <= g < _MAX_GROUPS

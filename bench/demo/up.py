@@ -1,0 +1,118 @@
+"""``run_up``: one round per policy against fresh engines; the report."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.demo.config import DemoConfig, DemoError, Observer
+from bench.demo.processes import Deployment, Ports, start_round
+from bench.demo.summary import summarize
+from bench.demo.workload import run_workload
+
+logger = logging.getLogger("bench.demo")
+
+
+def _router_metrics(router_url: str) -> str | None:
+    with contextlib.suppress(httpx.HTTPError):
+        r = httpx.get(f"{router_url}/metrics", timeout=5.0, trust_env=False)
+        if r.status_code == 200:
+            return r.text
+    return None
+
+
+def run_up(
+    engines: int = 3,
+    profile: str = "swa-hybrid",
+    index: str = "memory",
+    policies: Sequence[str] = ("cost",),
+    turns: int = 5,
+    conversations: int = 8,
+    time_scale: float = 1.0,
+    seed: int = 0,
+    *,
+    observer: Observer | None = None,
+    keep_logs: bool = False,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """Run the demo once per policy, each against fresh engines; return the report.
+
+    ``overrides`` are further :class:`DemoConfig` fields (gpu_blocks, max_tokens, ...).
+    Raises :class:`DemoError` (logs kept) when the deployment fails to start or a request
+    fails; children are stopped in every case, Ctrl-C included.
+    """
+    cfg = DemoConfig(
+        engines=engines,
+        profile=profile,
+        index=index,
+        policies=tuple(policies),
+        turns=turns,
+        conversations=conversations,
+        time_scale=time_scale,
+        seed=seed,
+        **overrides,
+    )
+    obs = observer or Observer()
+    log_dir = Path(tempfile.mkdtemp(prefix="kvroute-up-"))
+    ports = Ports()
+    rows: list[dict[str, Any]] = []
+    pids: list[int] = []
+    failed = True
+    t_start = time.perf_counter()
+    try:
+        for policy in cfg.policies:
+            dep = Deployment(log_dir)
+            try:
+                obs.round_started(policy, cfg.total_requests)
+                obs.phase(policy, f"starting {cfg.engines} engines and the router")
+                router_url, engine_list = start_round(cfg, policy, dep, ports)
+                obs.phase(policy, "running the workload")
+                t0 = time.perf_counter()
+                records = asyncio.run(
+                    run_workload(router_url, cfg, lambda r, p=policy: obs.request_done(p, r))
+                )
+                wall = time.perf_counter() - t0
+                row = summarize(policy, records, _router_metrics(router_url))
+                row["workload_s"] = wall
+                row["router"] = router_url
+                row["engines"] = [e.url for e in engine_list]
+                row["ports"] = list(dep.ports)
+                row["records"] = [asdict(r) for r in records]
+                rows.append(row)
+                bad = [r for r in records if not r.ok]
+                if bad:
+                    raise DemoError(
+                        f"[{policy}] {len(bad)} of {len(records)} requests failed; first: "
+                        f"{bad[0].status} {bad[0].error}",
+                        log_dir,
+                    )
+            finally:
+                obs.phase(policy, "shutting down")
+                pids += [c.proc.pid for c in dep.children]
+                dep.stop(cfg.stop_timeout_s)
+                obs.phase(policy, "stopped")
+        failed = False
+    finally:
+        if failed or keep_logs:
+            logger.warning("child process logs kept in %s", log_dir)
+        else:
+            shutil.rmtree(log_dir, ignore_errors=True)
+    config = asdict(cfg)
+    config["policies"] = list(cfg.policies)
+    return {
+        "config": config,
+        "rows": rows,
+        "pids": pids,
+        "wall_s": time.perf_counter() - t_start,
+        "log_dir": str(log_dir) if keep_logs else None,
+    }

@@ -1,0 +1,22 @@
+"""Guards against impossible events and batches (dropped and counted, never applied)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+# Far above any model's KV cache group count; bounds what one event can make us allocate
+# (the layout has a spec per group index up to the largest seen).
+MAX_GROUPS = 1024
+# A batch stamped this far ahead of our clock is corrupt (vLLM stamps time.time()): its
+# (ts, seq) would become the index cursor and make every real batch until then look stale.
+MAX_CLOCK_AHEAD_S = 3600.0
+
+
+def plausible_ts(ts: float) -> bool:
+    return math.isfinite(ts) and ts < time.time() + MAX_CLOCK_AHEAD_S
+
+
+def impossible(ev: object) -> bool:
+    g = getattr(ev, "group_idx", None)
+    return g is not None and not 0 <= g < MAX_GROUPS

@@ -1,0 +1,47 @@
+"""Where an instance's events come from, and the per-instance feed state ingest keeps."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSource:
+    """Where an instance publishes (vLLM's ``endpoint`` / ``replay_endpoint`` / ``topic``)."""
+
+    name: str
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+class EventSource(Protocol):
+    """What ingest needs of a subscriber (``events.subscriber.ZmqEventSubscriber``)."""
+
+    async def start(self) -> None: ...
+    def __aiter__(self) -> AsyncIterator[Any]: ...
+    async def close(self) -> None: ...
+
+
+SourceFactory = Callable[[InstanceSource, int | None], EventSource]
+
+
+@dataclass
+class Feed:
+    """What ingest keeps per instance: its source, its loop and how far it got."""
+
+    source: InstanceSource
+    start_seq: int | None
+    task: asyncio.Task[None] | None = None
+    sub: EventSource | None = None
+    last_seq: int | None = None
+    handled: int = 0
+    pending_reset: bool = False
+    resyncing: bool = False
+    synced: bool = False  # the index holds our cursor: a batch was applied since the clear
+    stopped: bool = False
+    seen_stats: dict[str, int] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
