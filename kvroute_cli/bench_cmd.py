@@ -7,6 +7,8 @@ from pathlib import Path
 import typer
 
 from kvroute_cli.bench_chaos_cmd import chaos
+from kvroute_cli.bench_replay_cmd import overhead as bench_overhead
+from kvroute_cli.bench_replay_cmd import replay as bench_replay
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -81,3 +83,5 @@ def bench_index(
 
 
 app.command("chaos")(chaos)
+app.command("replay")(bench_replay)
+app.command("overhead")(bench_overhead)

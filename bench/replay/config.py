@@ -1,0 +1,105 @@
+"""Settings shared by live and simulated replays: one engine config, one replay config.
+
+Both modes build their engines from ``EngineConfig`` (live: ``kvroute engine`` flags from
+``cli_args``; sim: the same ``KVCacheManager``/``EngineCore`` objects in-process), so "same
+profile, same seed, same capacities" holds by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engine_adapter.sim.timing import TimingModel
+
+__all__ = ["OURS_POLICIES", "PEERS", "EngineConfig", "ReplayConfig", "parse_router"]
+
+OURS_POLICIES = ("cost", "prefix_full_only", "round_robin", "least_loaded")
+PEERS = ("vllm-router", "sglang-router")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Simulated engine settings. Defaults: an 8B-class engine on one H100 (timing model
+    defaults), ~262k tokens of GPU KV cache and ~1M tokens of CPU tier per engine -- a few
+    minutes of Mooncake conversation traffic per engine, shorter than most reuse gaps,
+    so where a conversation lands decides whether it hits. ``page_bytes`` is tiny on
+    purpose: KV contents are not timed (the timing model charges bytes per token), so
+    small pages keep memory and copies cheap."""
+
+    profile: str = "swa-hybrid"
+    gpu_blocks: int = 16_384
+    cpu_blocks: int = 65_536
+    blocks_per_chunk: int = 4
+    block_size: int = 16
+    sliding_window: int = 1024
+    page_bytes: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    prefill_tokens_per_s: float = 10_000.0
+    max_model_len: int = 131_072
+    hash_algo: str = "sha256_cbor"
+
+    def timing(self, time_scale: float) -> TimingModel:
+        return TimingModel(
+            prefill_s_per_token=1.0 / self.prefill_tokens_per_s, time_scale=time_scale
+        )
+
+    def cli_args(self, time_scale: float) -> list[str]:
+        """``kvroute engine`` flags for these settings (ports and events added by caller)."""
+        args = {
+            "--profile": self.profile,
+            "--gpu-blocks": self.gpu_blocks,
+            "--cpu-blocks": self.cpu_blocks,
+            "--blocks-per-chunk": self.blocks_per_chunk,
+            "--block-size": self.block_size,
+            "--sliding-window": self.sliding_window,
+            "--page-bytes": self.page_bytes,
+            "--max-num-seqs": self.max_num_seqs,
+            "--max-num-batched-tokens": self.max_num_batched_tokens,
+            "--prefill-tokens-per-s": self.prefill_tokens_per_s,
+            "--max-model-len": self.max_model_len,
+            "--prefix-caching-hash-algo": self.hash_algo,
+            "--time-scale": time_scale,
+        }
+        return [str(x) for kv in args.items() for x in kv]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """One side-by-side replay. ``time_scale`` divides the trace's arrival gaps and the
+    engines' step times alike, so results are in replay-clock seconds at that scale."""
+
+    engines: int = 8
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    time_scale: float = 1.0
+    max_output_tokens: int = 64
+    seed: int = 0  # prompt text and policy tie-breaking
+    model: str = "kvroute-sim"
+    temperature: float = 0.0
+
+    def max_tokens(self, output_length: int) -> int:
+        return max(1, min(output_length, self.max_output_tokens))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["engine"] = self.engine.to_dict()
+        return d
+
+
+def parse_router(spec: str) -> tuple[str, str]:
+    """``ours:POLICY`` -> ("ours", POLICY); a peer name -> (name, its policy)."""
+    spec = spec.strip()
+    if spec.startswith("ours:"):
+        policy = spec.split(":", 1)[1]
+        if policy not in OURS_POLICIES:
+            raise ValueError(f"unknown policy in {spec!r}; expected one of {OURS_POLICIES}")
+        return "ours", policy
+    if spec == "vllm-router":
+        return spec, "kv_aware"
+    if spec == "sglang-router":
+        return spec, "cache_aware"
+    raise ValueError(f"unknown router {spec!r}: use ours:POLICY, vllm-router or sglang-router")

@@ -1,0 +1,265 @@
+"""Real processes on loopback for live replays: engines, our router, the peer routers.
+
+Every process logs to a file under the run directory, is stopped with SIGTERM then
+SIGKILL after a bounded wait, and is only ever bound to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import zmq
+
+from bench.replay.config import ReplayConfig
+
+__all__ = [
+    "EngineHandle",
+    "Proc",
+    "free_port",
+    "router_command",
+    "running_engines",
+    "running_router",
+    "wait_healthy",
+]
+
+log = logging.getLogger(__name__)
+
+KVROUTE = [sys.executable, "-m", "kvroute_cli.main"]
+BIN = Path(sys.executable).parent
+_handed_out: set[int] = set()
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on and this process has not handed out yet."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no free loopback port")
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("%s ignored SIGTERM for %.0fs; killing", self.name, timeout)
+                self.popen.kill()
+                self.popen.wait(5)
+        return self.popen.returncode
+
+    def tail(self, chars: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+def spawn(name: str, cmd: Sequence[str], logdir: Path) -> Proc:
+    logdir.mkdir(parents=True, exist_ok=True)
+    path = logdir / f"{name}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with path.open("wb") as fh:
+        fh.write((" ".join(cmd) + "\n").encode())
+        fh.flush()
+        popen = subprocess.Popen(
+            list(cmd), stdout=fh, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL
+        )
+    return Proc(name, popen, path)
+
+
+def wait_healthy(url: str, proc: Proc, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited early:\n{proc.tail()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"{proc.name}: {url} not healthy after {timeout:.0f}s\n{proc.tail()}")
+
+
+class EventForwarder:
+    """One XSUB->XPUB relay per engine, both bound on 127.0.0.1.
+
+    vLLM's rule makes a PUB bind only for wildcard or ipc endpoints, so a loopback tcp
+    PUB *connects*: the engine pushes into our XSUB, and routers subscribe at our XPUB
+    (vllm-router takes tcp:// sources only; a wildcard would leave loopback). Frames pass
+    through untouched; ``zmq.proxy_steerable`` runs in C, off the GIL.
+    """
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self.in_port, self.out_port = free_port(), free_port()
+        self._xsub = ctx.socket(zmq.XSUB)
+        self._xpub = ctx.socket(zmq.XPUB)
+        for sock in (self._xsub, self._xpub):
+            sock.setsockopt(zmq.RCVHWM, 100_000)
+            sock.setsockopt(zmq.SNDHWM, 100_000)
+            sock.setsockopt(zmq.LINGER, 0)
+        self._xsub.bind(f"tcp://127.0.0.1:{self.in_port}")
+        self._xpub.bind(f"tcp://127.0.0.1:{self.out_port}")
+        addr = f"inproc://fwd-{id(self)}"
+        self._ctl = ctx.socket(zmq.PAIR)
+        self._ctl.bind(addr)
+        self._ctl_peer = ctx.socket(zmq.PAIR)
+        self._ctl_peer.connect(addr)
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kv-forwarder")
+        self._thread.start()
+
+    def _run(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            zmq.proxy_steerable(self._xsub, self._xpub, None, self._ctl_peer)
+
+    def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self._ctl.send(b"TERMINATE")
+        self._thread.join(5)
+        for sock in (self._xsub, self._xpub, self._ctl, self._ctl_peer):
+            sock.close(linger=0)
+
+
+@dataclass
+class EngineHandle:
+    """A running engine; routers read its events at ``events`` (the forwarder's XPUB)
+    and replay from its own ROUTER at ``replay``."""
+
+    name: str  # engine-i, what records and plots call it
+    port: int
+    events_port: int
+    replay_port: int
+    proc: Proc
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def host_port(self) -> str:  # how the engine names itself (system_fingerprint)
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def events(self) -> str:
+        return f"tcp://127.0.0.1:{self.events_port}"
+
+    @property
+    def replay(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay_port}"
+
+
+@contextlib.contextmanager
+def running_engines(
+    cfg: ReplayConfig, logdir: Path, timeout: float = 120.0
+) -> Iterator[list[EngineHandle]]:
+    """``cfg.engines`` fresh ``kvroute engine`` processes publishing KV events (bind)."""
+    handles: list[EngineHandle] = []
+    ctx = zmq.Context()
+    forwarders: list[EventForwarder] = []
+    try:
+        for i in range(cfg.engines):
+            port, rp = free_port(), free_port()
+            fwd = EventForwarder(ctx)
+            forwarders.append(fwd)
+            events_cfg = {
+                "enable_kv_cache_events": True,
+                "endpoint": f"tcp://127.0.0.1:{fwd.in_port}",
+                "replay_endpoint": f"tcp://127.0.0.1:{rp}",
+            }
+            cmd = [*KVROUTE, "--log-level", "WARNING", "engine", "--host", "127.0.0.1"]
+            cmd += ["--port", str(port), "--model", cfg.model, "--log-level", "warning"]
+            cmd += ["--kv-events-config", json.dumps(events_cfg)]
+            cmd += cfg.engine.cli_args(cfg.time_scale)
+            proc = spawn(f"engine-{i}", cmd, logdir)
+            handles.append(EngineHandle(f"engine-{i}", port, fwd.out_port, rp, proc))
+        for h in handles:
+            wait_healthy(f"{h.url}/health", h.proc, timeout)
+        yield handles
+    finally:
+        for h in handles:
+            h.proc.stop()
+        for f in forwarders:
+            f.close()
+        ctx.term()
+
+
+def router_command(
+    kind: str, policy: str, port: int, engines: Sequence[EngineHandle], cfg: ReplayConfig
+) -> list[str]:
+    """The command line for ``ours`` / ``vllm-router`` / ``sglang-router``."""
+    urls = [e.url for e in engines]
+    if kind == "ours":
+        cmd = [*KVROUTE, "--log-level", "WARNING", "router", "--host", "127.0.0.1"]
+        cmd += ["--port", str(port), "--policy", policy, "--index", "memory"]
+        cmd += ["--block-size", str(cfg.engine.block_size), "--hash-algo", cfg.engine.hash_algo]
+        cmd += ["--model", cfg.model, "--log-level", "warning"]
+        if cfg.temperature:
+            cmd += ["--temperature", str(cfg.temperature)]
+        for e in engines:
+            cmd += ["--instance", f"{e.url}={e.events},replay={e.replay}"]
+        return cmd
+    prom = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    if kind == "vllm-router":
+        cmd = [str(BIN / "vllm-router"), "--host", "127.0.0.1", "--port", str(port)]
+        cmd += ["--policy", "kv_aware", "--worker-urls", *urls]
+        for e in engines:
+            cmd += ["--kv-event-source", f"{e.url}={e.events}"]
+            cmd += ["--kv-event-replay-source", f"{e.url}={e.replay}"]
+        cmd += ["--kv-event-model", cfg.model, "--kv-event-block-size", str(cfg.engine.block_size)]
+        cmd += ["--health-check-interval-secs", "1", "--log-level", "warning", *prom]
+        return cmd
+    if kind == "sglang-router":
+        cmd = [str(BIN / "sglang-router"), "launch", "--host", "127.0.0.1", "--port", str(port)]
+        cmd += ["--policy", "cache_aware", "--worker-urls", *urls]
+        cmd += ["--health-check-interval-secs", "1", "--log-level", "warn", *prom]
+        return cmd
+    raise ValueError(f"unknown router kind {kind!r}")
+
+
+@contextlib.contextmanager
+def running_router(
+    kind: str,
+    policy: str,
+    engines: Sequence[EngineHandle],
+    cfg: ReplayConfig,
+    logdir: Path,
+    timeout: float = 90.0,
+    settle_s: float = 2.0,
+) -> Iterator[tuple[str, list[str]]]:
+    """Start a router in front of ``engines``; yields (base URL, command). ``settle_s``
+    lets event subscribers connect before traffic (ZMQ drops what a late SUB misses)."""
+    port = free_port()
+    cmd = router_command(kind, policy, port, engines, cfg)
+    name = kind if kind != "ours" else f"ours-{policy}"
+    proc = spawn(name, cmd, logdir)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", proc, timeout)
+        time.sleep(settle_s)
+        yield f"http://127.0.0.1:{port}", cmd
+    finally:
+        proc.stop()

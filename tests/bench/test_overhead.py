@@ -1,0 +1,28 @@
+"""``kvroute bench overhead``'s in-process decision timing (the HTTP part is exercised by
+the live smoke test's harness)."""
+
+from __future__ import annotations
+
+import math
+
+from bench.replay.overhead import decision_time, overhead_markdown
+
+
+def test_decision_time_measures_decide_and_score_choose():
+    out = decision_time(instances=(2, 4), tokens=2048, repeats=5)
+    assert set(out) == {"2 instances", "4 instances"}
+    for row in out.values():
+        for step in ("decide", "score+choose"):
+            p50, p99 = row[step]["p50_ms"], row[step]["p99_ms"]
+            assert 0 < p50 <= p99 and math.isfinite(p99)
+    report = {
+        "machine": {"argv": ["kvroute", "bench", "overhead"], "processor": "x", "cpus": 2,
+                    "platform": "p", "time": "t"},
+        "decision_time": out,
+        "proxy": {"direct": {"sequential": {"p50_ms": 1.0, "p99_ms": 2.0}},
+                  "ours:cost": {"sequential": {"p50_ms": 2.5, "p99_ms": 4.0,
+                                               "added_p50_ms": 1.5, "added_p99_ms": 2.0}}},
+    }  # fmt: skip
+    md = overhead_markdown(report)
+    assert "| ours:cost | sequential | 2.50 | 4.00 | 1.50 | 2.00 |" in md
+    assert "| 4 instances | decide |" in md
