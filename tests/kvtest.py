@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,34 +13,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+from bench.chaos.procs import free_port, wait_http
 
 REPO = Path(__file__).resolve().parent.parent
 KVROUTE = [sys.executable, "-m", "kvroute_cli.main"]
-_used: set[int] = set()
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on (and this process has not handed out)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _used and port + 1 not in _used:
-            _used.add(port)
-            return port
-
-
-def wait_http(url: str, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} was up")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not healthy after {timeout}s")
 
 
 @dataclass
