@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import reduce
+from functools import lru_cache, reduce
 from typing import ClassVar
 
 __all__ = [
@@ -150,19 +150,28 @@ def longest_cache_hit_masks(
     """
     if not specs or max_tokens <= 0:
         return 0
-    lcm = reduce(math.lcm, (s.block_size for s in specs), 1)
+    lcm, plan = _geometry(tuple(specs))
     hit = max_tokens - max_tokens % lcm
-    order = sorted(range(len(specs)), key=lambda g: not isinstance(specs[g], FullAttentionSpec))
     changed = True
     while changed and hit > 0:
         changed = False
-        for g in order:
-            bs = specs[g].block_size
-            n = _servable(specs[g], masks[g], hit // bs, lcm // bs)
+        for g, spec, bs, align in plan:
+            n = _servable(spec, masks[g], hit // bs, align)
             if n * bs < hit:
                 hit = n * bs
                 changed = True
     return hit
+
+
+@lru_cache(maxsize=256)
+def _geometry(
+    specs: tuple[KVCacheSpec, ...],
+) -> tuple[int, tuple[tuple[int, KVCacheSpec, int, int], ...]]:
+    """LCM block size and the visiting order (full attention first) of a layout; cached
+    because routers score the same few layouts for every instance of every request."""
+    lcm = reduce(math.lcm, (s.block_size for s in specs), 1)
+    order = sorted(range(len(specs)), key=lambda g: not isinstance(specs[g], FullAttentionSpec))
+    return lcm, tuple((g, specs[g], specs[g].block_size, lcm // specs[g].block_size) for g in order)
 
 
 def longest_cache_hit(
