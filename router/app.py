@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.config import parse_instance
+from router.decide import RouteDecision
 from router.proxy import error_response, request_headers
 from router.state import RouterState
 
@@ -68,16 +69,28 @@ def create_app(state: RouterState) -> FastAPI:
     app = FastAPI(title="kvroute router", docs_url=None, redoc_url=None)
     s = state.settings
 
-    async def _proxy(request: Request, kind: str, path: str) -> Response:
+    async def _decide(
+        request: Request, kind: str | None
+    ) -> tuple[bytes, dict[str, Any], RouteDecision] | Response:
+        """Read, validate and route an OpenAI body (``kind`` None: told by its fields)."""
         parsed = await _read_json(request, s.max_body_bytes)
         if isinstance(parsed, Response):
             return parsed
         raw, data = parsed
+        if kind is None:
+            kind = "chat" if "messages" in data else "completion"
         if (err := _validate(kind, data)) is not None:
             return err
         decision = await state.router.decide(data, kind)
         if decision is None:
             return error_response("no healthy instance", 503, "ServiceUnavailableError")
+        return raw, data, decision
+
+    async def _proxy(request: Request, kind: str, path: str) -> Response:
+        routed = await _decide(request, kind)
+        if isinstance(routed, Response):
+            return routed
+        raw, data, decision = routed
         streaming = bool(data.get("stream"))
         return await state.forwarder.forward(
             path, raw, request_headers(request.headers), decision, streaming
@@ -94,17 +107,10 @@ def create_app(state: RouterState) -> FastAPI:
     @app.post("/debug/route")
     async def debug_route(request: Request) -> Response:
         """The decision for an OpenAI body, without forwarding it."""
-        parsed = await _read_json(request, s.max_body_bytes)
-        if isinstance(parsed, Response):
-            return parsed
-        _, data = parsed
-        kind = "chat" if "messages" in data else "completion"
-        if (err := _validate(kind, data)) is not None:
-            return err
-        decision = await state.router.decide(data, kind)
-        if decision is None:
-            return error_response("no healthy instance", 503, "ServiceUnavailableError")
-        return JSONResponse(await state.router.explain(decision))
+        routed = await _decide(request, None)
+        if isinstance(routed, Response):
+            return routed
+        return JSONResponse(await state.router.explain(routed[2]))
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -52,6 +52,15 @@ class EngineProc:
         return self.proc.returncode
 
 
+def _wait_up(p: EngineProc | RouterProc, what: str) -> None:
+    """Wait for ``p``'s /health; if it never comes, kill ``p`` and raise with its log tail."""
+    try:
+        wait_http(f"{p.url}/health", proc=p.proc)
+    except Exception:
+        p.stop(signal.SIGKILL)
+        raise RuntimeError(f"{what} failed to start:\n{p.log.read_text()[-3000:]}") from None
+
+
 def start_engine(
     tmp: Path,
     *args: str,
@@ -75,11 +84,7 @@ def start_engine(
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, env=env)
     eng = EngineProc(proc, port, events_port, replay_port, log)
     if wait:
-        try:
-            wait_http(f"{eng.url}/health", proc=proc)
-        except Exception:
-            eng.stop(signal.SIGKILL)
-            raise RuntimeError(f"engine failed to start:\n{log.read_text()[-3000:]}") from None
+        _wait_up(eng, "engine")
     return eng
 
 
@@ -132,11 +137,7 @@ def start_router(
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
     r = RouterProc(proc, port, log)
-    try:
-        wait_http(f"{r.url}/health", proc=proc)
-    except Exception:
-        r.stop(signal.SIGKILL)
-        raise RuntimeError(f"router failed to start:\n{log.read_text()[-3000:]}") from None
+    _wait_up(r, "router")
     return r
 
 

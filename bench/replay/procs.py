@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ from pathlib import Path
 import httpx
 import zmq
 
+from bench.chaos.procs import free_port
 from bench.replay.config import ReplayConfig
 
 __all__ = [
@@ -39,19 +39,6 @@ log = logging.getLogger(__name__)
 
 KVROUTE = [sys.executable, "-m", "kvroute_cli.main"]
 BIN = Path(sys.executable).parent
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on and this process has not handed out yet."""
-    for _ in range(1000):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
-    raise RuntimeError("no free loopback port")
 
 
 @dataclass

@@ -35,13 +35,17 @@ def cpu_events(events: list[object]) -> list[object]:
     return [e for e in events if getattr(e, "medium", None) == MEDIUM_CPU]
 
 
-def evict_gpu(kv: KVCacheManager, rng: random.Random, num_tokens: int, state: EventState) -> None:
-    """Run a throwaway request that recycles ``num_tokens // 16`` blocks per group."""
-    f = kv.new_request(f"flood{rng.random()}", tokens(rng, num_tokens))
-    prefill(kv, f, state)
-    kv.free(f)
+def prefill_and_free(kv: KVCacheManager, req, state: EventState) -> None:
+    """Prefill ``req``, free it, then wait for its copies and apply all events."""
+    prefill(kv, req, state)
+    kv.free(req)
     kv.flush()
     state.apply_batch(kv.step_events())
+
+
+def evict_gpu(kv: KVCacheManager, rng: random.Random, num_tokens: int, state: EventState) -> None:
+    """Run a throwaway request that recycles ``num_tokens // 16`` blocks per group."""
+    prefill_and_free(kv, kv.new_request(f"flood{rng.random()}", tokens(rng, num_tokens)), state)
 
 
 def end_step(kv: KVCacheManager) -> list[object]:
@@ -142,10 +146,7 @@ def test_cpu_hit_needs_a_whole_chunk_beyond_gpu_hit() -> None:
     rng = random.Random(2)
     prompt = tokens(rng, 128)
     a = kv.new_request("a", prompt)
-    prefill(kv, a, state)
-    kv.free(a)
-    kv.flush()
-    state.apply_batch(kv.step_events())
+    prefill_and_free(kv, a, state)
     evict_gpu(kv, rng, 32, state)  # takes the never-used block, then a's tail (block 7)
     probe = kv.new_request("p", [*prompt, 1])
     assert kv.get_computed_blocks(probe) == 112
@@ -160,10 +161,7 @@ def test_full_attention_cpu_hit_may_cover_the_whole_prompt() -> None:
     rng = random.Random(3)
     prompt = tokens(rng, 128)
     a = kv.new_request("a", prompt)
-    prefill(kv, a, state)
-    kv.free(a)
-    kv.flush()
-    state.apply_batch(kv.step_events())
+    prefill_and_free(kv, a, state)
     evict_gpu(kv, rng, 256, state)  # every GPU block recycled
     probe = kv.new_request("p", prompt)
     gpu, cpu = kv.lookup(probe)
@@ -182,10 +180,7 @@ def test_swa_cpu_lookup_needs_only_the_last_window_of_chunks() -> None:
     rng = random.Random(4)
     prompt = tokens(rng, 320)
     a = kv.new_request("a", prompt)
-    prefill(kv, a, state)
-    kv.free(a)
-    kv.flush()
-    state.apply_batch(kv.step_events())
+    prefill_and_free(kv, a, state)
     # Drop the SWA group's early chunks 0..2 from the CPU tier (as evictions would).
     off = kv.offload
     victims = []

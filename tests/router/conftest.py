@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from bench.chaos.procs import free_port
 from events.structs import BlockRemoved, BlockStored, KVEventBatch
 from router.index.base import BlockIndex
 from router.index.memory import MemoryIndex
@@ -38,12 +38,6 @@ class RedisServer:
     url: str
     unix_url: str
     port: int
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
