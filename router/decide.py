@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from events.hashing import hash_request_blocks, wire_hash
@@ -37,7 +37,6 @@ class RouteDecision:
     candidates: dict[str, Candidate]
     index_ok: bool
     elapsed_s: float
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def predicted(self, instance: str) -> tuple[int, int]:
         c = self.candidates.get(instance)

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
@@ -40,7 +40,6 @@ class Instance:
     served: int = 0
     errors: int = 0
     down_since: float | None = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def url(self) -> str:

@@ -182,13 +182,21 @@ def create_app(
             yield f"data: {json.dumps({**base, 'choices': [], 'usage': _usage(last)})}\n\n".encode()
         yield b"data: [DONE]\n\n"
 
+    def _prompt_ids(prompt: str | list[int]) -> list[int]:
+        return tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def _chat_ids(messages: list) -> list[int]:
+        return tokenizer.encode(apply_chat_template([m.model_dump() for m in messages]))
+
+    # /tokenize and generation share these, so /tokenize returns exactly what is hashed.
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = await _parse(request, CompletionRequest)
         if isinstance(req, JSONResponse):
             return req
         assert isinstance(req, CompletionRequest)
-        ids = tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        ids = _prompt_ids(req.prompt)
         if (err := _check(req.model, ids, req.max_tokens)) is not None:
             return err
         usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -200,8 +208,7 @@ def create_app(
         if isinstance(req, JSONResponse):
             return req
         assert isinstance(req, ChatCompletionRequest)
-        text = apply_chat_template([m.model_dump() for m in req.messages])
-        ids = tokenizer.encode(text)
+        ids = _chat_ids(req.messages)
         if (err := _check(req.model, ids, req.output_len)) is not None:
             return err
         usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -214,11 +221,9 @@ def create_app(
             return req
         assert isinstance(req, TokenizeRequest)
         if req.messages is not None:
-            ids = tokenizer.encode(apply_chat_template([m.model_dump() for m in req.messages]))
-        elif isinstance(req.prompt, str):
-            ids = tokenizer.encode(req.prompt)
-        elif isinstance(req.prompt, list):
-            ids = list(req.prompt)
+            ids = _chat_ids(req.messages)
+        elif req.prompt is not None:
+            ids = _prompt_ids(req.prompt)
         else:
             return _error("either prompt or messages is required", 400)
         return JSONResponse(

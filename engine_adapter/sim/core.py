@@ -62,7 +62,6 @@ class _Seq:
     cpu_hit: int = 0
     arrival: float = field(default_factory=time.monotonic)
     aborted: bool = False
-    admitted: bool = False
 
     def output(self, new: list[int], finished: bool) -> RequestOutput:
         return RequestOutput(
@@ -232,7 +231,6 @@ class EngineCore:
             if seq.gpu_hit < 0:
                 seq.gpu_hit, seq.cpu_hit = gpu, cpu
                 self.metrics.on_admitted(req.num_prompt_tokens, gpu, cpu)
-            seq.admitted = True
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
