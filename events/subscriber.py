@@ -150,7 +150,10 @@ class ZmqEventSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode("utf-8"))
         monitor = sub.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+            zmq.EVENT_CONNECTED
+            | zmq.EVENT_ACCEPTED
+            | zmq.EVENT_DISCONNECTED
+            | zmq.EVENT_MONITOR_STOPPED
         )
         self._monitor_task = asyncio.get_running_loop().create_task(self._watch(monitor))
         if self.bind:
@@ -173,14 +176,20 @@ class ZmqEventSubscriber:
         if self._closed:
             return
         self._closed = True
-        for task in (self._step, self._monitor_task):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
-                    await task
+        if self._step is not None and not self._step.done():
+            self._step.cancel()
+            with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
+                await self._step
         if self._sub is not None:
+            # Stop the monitor while its reader still runs: libzmq's disable blocks for
+            # good if the monitor's PAIR socket is already closed.
             with contextlib.suppress(zmq.ZMQError):
                 self._sub.disable_monitor()
+        if self._monitor_task is not None and not self._monitor_task.done():
+            # The reader ends on MONITOR_STOPPED.
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError, zmq.ZMQError):
+                await asyncio.wait_for(self._monitor_task, 1.0)
+        if self._sub is not None:
             self._sub.close(linger=0)
         if self._dealer is not None:
             self._dealer.close(linger=0)
@@ -434,6 +443,8 @@ class ZmqEventSubscriber:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 kind = event["event"]
+                if kind == zmq.EVENT_MONITOR_STOPPED:
+                    return
                 if kind == zmq.EVENT_DISCONNECTED:
                     logger.info("%s: disconnected from %s", self.name, event["endpoint"])
                 elif connected_once:
