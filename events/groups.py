@@ -19,10 +19,12 @@ from typing import ClassVar
 
 __all__ = [
     "FullAttentionSpec",
+    "HitRule",
     "KVCacheLayout",
     "KVCacheSpec",
     "MambaSpec",
     "SlidingWindowSpec",
+    "hit_rule",
     "longest_cache_hit",
     "longest_cache_hit_masks",
     "spec_from_event",
@@ -105,27 +107,26 @@ def _runs(mask: int, width: int) -> int:
     return out
 
 
-def _servable(spec: KVCacheSpec, mask: int, limit_blocks: int, align_blocks: int) -> int:
-    """Largest n <= limit_blocks, n % align_blocks == 0, that ``spec`` can serve (blocks)."""
-    n = limit_blocks - limit_blocks % align_blocks
+def _servable_windowed(mask: int, n: int, align: int, need: int, mamba: bool) -> int:
+    """Largest m <= n (blocks), m % align == 0, that a sliding-window group needing ``need``
+    blocks before the hit end (or a Mamba group: ``mamba``) can serve; n is aligned."""
     if n <= 0:
         return 0
-    if isinstance(spec, FullAttentionSpec):
-        p = min(_full_prefix_mask(mask), n)
-        return p - p % align_blocks
-    if isinstance(spec, MambaSpec):
+    if mamba:
         # Rightmost cached state block whose end is aligned.
-        if align_blocks == 1:
+        if align == 1:
             return (mask & ((1 << n) - 1)).bit_length()
         while n > 0 and not (mask >> (n - 1)) & 1:
-            n -= align_blocks
+            n -= align
         return max(n, 0)
-    need = spec.window_blocks
     if need == 0:  # a window of one token needs no earlier block
         return n
-    if align_blocks == 1:
+    if align == 1:
         # A window of `need` cached blocks ending at n, for the largest n >= need ...
         if n >= need:
+            full = (1 << need) - 1
+            if (mask >> (n - need)) & full == full:  # the common case: the window at n
+                return n
             starts = _runs(mask, need) & ((1 << (n - need + 1)) - 1)
             if starts:
                 return starts.bit_length() - 1 + need
@@ -136,8 +137,70 @@ def _servable(spec: KVCacheSpec, mask: int, limit_blocks: int, align_blocks: int
         width = n - lo
         if (mask >> lo) & ((1 << width) - 1) == (1 << width) - 1:
             return n
-        n -= align_blocks
+        n -= align
     return 0
+
+
+class HitRule:
+    """One layout's hit rule with its geometry worked out once (LCM, per-group alignment,
+    window sizes, visiting order): routers evaluate it for every candidate instance of
+    every request, so per-call work is only bit operations on the masks."""
+
+    __slots__ = ("full", "lcm", "specs", "windowed")
+
+    def __init__(self, specs: Sequence[KVCacheSpec]) -> None:
+        self.specs = tuple(specs)
+        self.lcm = lcm = reduce(math.lcm, (s.block_size for s in self.specs), 1)
+        # (group_idx, block size, alignment in blocks)
+        self.full = tuple(
+            (g, s.block_size, lcm // s.block_size)
+            for g, s in enumerate(self.specs)
+            if isinstance(s, FullAttentionSpec)
+        )
+        # (group_idx, block size, alignment in blocks, window blocks, is Mamba)
+        self.windowed = tuple(
+            (
+                g,
+                s.block_size,
+                lcm // s.block_size,
+                s.window_blocks if isinstance(s, SlidingWindowSpec) else 0,
+                isinstance(s, MambaSpec),
+            )
+            for g, s in enumerate(self.specs)
+            if not isinstance(s, FullAttentionSpec)
+        )
+
+    def hit(self, masks: Sequence[int], max_tokens: int) -> int:
+        """The hit in tokens for per-group block masks (see :func:`longest_cache_hit_masks`)."""
+        if max_tokens <= 0 or not self.specs:
+            return 0
+        hit = max_tokens - max_tokens % self.lcm
+        # Each visit returns the largest length <= hit that group serves, so the hit never
+        # drops below the answer and stops once every group serves it. Full attention
+        # serves every aligned length below its prefix: one visit each is enough.
+        for g, bs, align in self.full:
+            m = masks[g]
+            p = ((m + 1) & ~m).bit_length() - 1
+            if p < hit // bs:
+                hit = (p - p % align) * bs
+        # Windowed groups: round robin until all of them confirm the current hit.
+        windowed = self.windowed
+        confirmed, i, k = 0, 0, len(windowed)
+        while hit > 0 and confirmed < k:
+            g, bs, align, need, mamba = windowed[i]
+            n = _servable_windowed(masks[g], hit // bs, align, need, mamba) * bs
+            if n < hit:
+                hit, confirmed = n, 1  # the group serves its own answer
+            else:
+                confirmed += 1
+            i = i + 1 if i + 1 < k else 0
+        return hit
+
+
+@lru_cache(maxsize=256)
+def hit_rule(specs: tuple[KVCacheSpec, ...]) -> HitRule:
+    """The compiled :class:`HitRule` of a layout (cached: layouts are few)."""
+    return HitRule(specs)
 
 
 def longest_cache_hit_masks(
@@ -150,28 +213,7 @@ def longest_cache_hit_masks(
     """
     if not specs or max_tokens <= 0:
         return 0
-    lcm, plan = _geometry(tuple(specs))
-    hit = max_tokens - max_tokens % lcm
-    changed = True
-    while changed and hit > 0:
-        changed = False
-        for g, spec, bs, align in plan:
-            n = _servable(spec, masks[g], hit // bs, align)
-            if n * bs < hit:
-                hit = n * bs
-                changed = True
-    return hit
-
-
-@lru_cache(maxsize=256)
-def _geometry(
-    specs: tuple[KVCacheSpec, ...],
-) -> tuple[int, tuple[tuple[int, KVCacheSpec, int, int], ...]]:
-    """LCM block size and the visiting order (full attention first) of a layout; cached
-    because routers score the same few layouts for every instance of every request."""
-    lcm = reduce(math.lcm, (s.block_size for s in specs), 1)
-    order = sorted(range(len(specs)), key=lambda g: not isinstance(specs[g], FullAttentionSpec))
-    return lcm, tuple((g, specs[g], specs[g].block_size, lcm // specs[g].block_size) for g in order)
+    return hit_rule(tuple(specs)).hit(masks, max_tokens)
 
 
 def longest_cache_hit(

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from events.groups import FullAttentionSpec, MambaSpec, SlidingWindowSpec
-from events.offload_hit import cpu_extension, offload_hit, window_in_chunks
+from events.offload_hit import cpu_extension, cpu_extension_masks, offload_hit, window_in_chunks
 
 BS = 4
 K = 2  # blocks per chunk
@@ -120,3 +120,95 @@ def test_cpu_hit_is_always_loadable(specs, masks, num_tokens, gpu_blocks) -> Non
             first = max(first, -(-end // BS) - 1)
         for block in range(first, -(-end // BS)):
             assert block // K in masks[g], (g, block, end)
+
+
+def reference_cpu_extension(specs, cpu_cached, num_tokens, gpu_hit, tpc) -> int:
+    """vLLM's ``OffloadingConnectorScheduler._lookup`` transcribed chunk by chunk (one
+    ``cpu_cached`` call per chunk key): the oracle for the bit-parallel rule."""
+    if not specs or tpc <= 0 or num_tokens <= 0:
+        return 0
+    per_chunk = [tpc // s.block_size for s in specs]
+    windows = [window_in_chunks(s, tpc) for s in specs]
+    full = [g for g, w in enumerate(windows) if w is None]
+    windowed = sorted(
+        (g for g, w in enumerate(windows) if w is not None), key=lambda g: -windows[g]
+    )
+    max_hit = num_tokens - (1 if windowed else 0)
+    if any(isinstance(s, MambaSpec) for s in specs):
+        max_hit -= max_hit % tpc
+    num_keys, start = num_tokens // tpc, gpu_hit // tpc
+
+    def window_lookup(hits: list[bool], window: int, first: int) -> int:
+        run, required = 0, first
+        for idx in range(len(hits) - 1, -1, -1):
+            run, required = (run + 1, required) if hits[idx] else (0, window)
+            if run == required:
+                return idx + required
+        return run
+
+    hit, pending = 0, [*full, *windowed]
+    while pending:
+        looked_windowed, current, pending = False, pending, []
+        for g in current:
+            max_hit = min(max_hit, num_keys * tpc)
+            if max_hit - gpu_hit < tpc:
+                return 0
+            num_chunks = min(-(-max_hit // tpc), num_keys)
+            flags = [cpu_cached(g, (c + 1) * per_chunk[g] - 1) for c in range(start, num_chunks)]
+            if windows[g] is None:
+                n = next((i for i, f in enumerate(flags) if not f), len(flags))
+            else:
+                first = windows[g]
+                if isinstance(specs[g], SlidingWindowSpec):
+                    pad = -min(max_hit, num_chunks * tpc) % tpc
+                    first = max(first, -(-(specs[g].sliding_window - 1 + pad) // tpc))
+                n = window_lookup(flags, windows[g], first)
+            if n == 0:
+                return 0
+            max_hit = min(max_hit, tpc * (start + n))
+            new_hit = max_hit - gpu_hit
+            if new_hit < tpc:
+                return 0
+            if new_hit < hit and looked_windowed and not pending:
+                pending = list(windowed)
+            looked_windowed |= windows[g] is not None
+            hit = new_hit
+    return hit
+
+
+MIXED = st.lists(
+    st.one_of(
+        st.just(FULL),
+        st.just(MAMBA),
+        st.integers(1, 40).map(lambda w: SlidingWindowSpec(BS, w)),
+        st.just(FullAttentionSpec(2 * BS)),
+        st.integers(1, 40).map(lambda w: SlidingWindowSpec(2 * BS, w)),
+    ),
+    min_size=1,
+    max_size=3,
+)
+
+
+@settings(max_examples=600, deadline=None)
+@given(
+    specs=MIXED,
+    k=st.integers(1, 4),
+    blocks=st.lists(st.frozensets(st.integers(0, 40)), min_size=3, max_size=3),
+    num_tokens=st.integers(1, 160),
+    gpu_blocks=st.integers(0, 40),
+)
+def test_bit_parallel_rule_equals_vllms_chunk_by_chunk_lookup(
+    specs, k, blocks, num_tokens, gpu_blocks
+) -> None:
+    """``cpu_extension`` (masks + big-int run searches) == the chunk-by-chunk transcription
+    of vLLM's lookup, for any mix of groups, block sizes, chunk sizes and residency."""
+    tpc = 2 * BS * k  # a multiple of every block size in MIXED
+    gpu = min(gpu_blocks * BS, max(0, num_tokens - 1) // BS * BS)
+
+    def cached(g: int, i: int) -> bool:
+        return i in blocks[g]
+
+    want = reference_cpu_extension(specs, cached, num_tokens, gpu, tpc)
+    assert cpu_extension(specs, cached, num_tokens, gpu, tpc) == want
+    masks = [sum(1 << i for i in blocks[g]) for g in range(len(specs))]
+    assert cpu_extension_masks(specs, masks, num_tokens, gpu, tpc) == want
