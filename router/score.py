@@ -3,7 +3,7 @@
 For each candidate instance the index gives per (group, tier) a bitmask over the request's
 hash-block positions. The GPU hit is ``events.groups.longest_cache_hit_masks`` over the
 GPU masks with ``max_tokens = num_prompt_tokens - 1`` (vLLM always recomputes the last
-token); the CPU extension is ``events.offload_hit.cpu_extension`` -- vLLM's offloading
+token); the CPU extension is ``events.offload_hit.cpu_extension_masks`` -- vLLM's offloading
 connector rule, which loads whole chunks past the GPU hit. The engine calls the same two
 functions on its real residency, so prediction and reality agree by construction.
 
@@ -24,10 +24,11 @@ import logging
 import math
 from collections.abc import Sequence
 from functools import reduce
+from operator import or_
 from typing import NamedTuple
 
-from events.groups import FullAttentionSpec, KVCacheSpec, longest_cache_hit_masks
-from events.offload_hit import cpu_extension
+from events.groups import FullAttentionSpec, HitRule, hit_rule
+from events.offload_hit import OffloadRule, offload_rule
 from router.index.base import NUM_TIERS, BlockIndex, Residency, Tier, to_wire
 from router.layout import InstanceLayout, LayoutRegistry
 
@@ -42,18 +43,72 @@ class Score(NamedTuple):
 
 
 ZERO = Score(0, 0)
+_new = tuple.__new__  # Score(a, b) without NamedTuple's Python-level __new__
 
 
-class _Plan(NamedTuple):
-    """A layout's scoring geometry, computed once per layout."""
+class _Plan:
+    """A layout's scoring geometry and compiled rules, worked out once per layout: the
+    per-instance work left is a few dict reads and bit operations."""
 
-    layout: InstanceLayout
-    specs: tuple[KVCacheSpec, ...]
-    gpu_slots: tuple[int, ...]
-    cpu_slots: tuple[int, ...]
-    ratios: tuple[int, ...]  # group block size / hash block size
-    uniform: bool  # every group's block is one hash block
-    tokens_per_chunk: int
+    __slots__ = (
+        "chunk_blocks",
+        "cpu_slots",
+        "gpu_slots",
+        "hash_block_size",
+        "layout",
+        "offload",
+        "ratios",
+        "rule",
+        "uniform",
+        "zeros",
+    )
+
+    def __init__(self, layout: InstanceLayout, full_only: bool) -> None:
+        idx = [
+            g
+            for g, s in enumerate(layout.groups)
+            if not full_only or isinstance(s, FullAttentionSpec)
+        ]
+        specs = tuple(layout.groups[g] for g in idx)
+        hbs = layout.hash_block_size
+        lcm = reduce(math.lcm, (g.block_size for g in layout.groups), 1)
+        tpc = layout.tokens_per_chunk or lcm
+        self.layout = layout
+        self.hash_block_size = hbs
+        self.gpu_slots = tuple(g * NUM_TIERS + int(Tier.GPU) for g in idx)
+        self.cpu_slots = tuple(g * NUM_TIERS + int(Tier.CPU) for g in idx)
+        self.zeros = (0,) * len(idx)  # dict.get defaults, one per group
+        self.ratios = tuple(layout.groups[g].block_size // hbs for g in idx)
+        self.uniform = all(r == 1 for r in self.ratios)  # every block is one hash block
+        self.chunk_blocks = tpc // hbs  # hash blocks per CPU chunk
+        self.rule: HitRule | None = hit_rule(specs) if specs else None
+        self.offload: OffloadRule | None = None
+        if specs:
+            try:
+                self.offload = offload_rule(specs, tpc)
+            except ValueError:  # a configured chunk size that does not fit the groups
+                log.warning("tokens_per_chunk %d does not fit layout %s", tpc, layout)
+
+    def score(self, residency: Residency, positions: int, num_prompt_tokens: int) -> Score:
+        rule = self.rule
+        if rule is None or num_prompt_tokens <= 1:
+            return ZERO
+        get = residency.get
+        gpu = list(map(get, self.gpu_slots, self.zeros))
+        if not self.uniform:
+            gpu = [_regroup(m, r, positions) for m, r in zip(gpu, self.ratios, strict=True)]
+        gpu_tokens = rule.hit(gpu, num_prompt_tokens - 1) if any(gpu) else 0
+        if self.offload is None:
+            return Score(gpu_tokens, 0)
+        # The extension only reads chunks from the one holding the GPU hit end on: with no
+        # CPU residency there, it is 0 without evaluating the rule.
+        first = gpu_tokens // self.hash_block_size // self.chunk_blocks * self.chunk_blocks
+        cpu = list(map(get, self.cpu_slots, self.zeros))
+        if not reduce(or_, cpu) >> first:
+            return _new(Score, (gpu_tokens, 0))
+        if not self.uniform:
+            cpu = [_regroup(c, r, positions) for c, r in zip(cpu, self.ratios, strict=True)]
+        return _new(Score, (gpu_tokens, self.offload.extension(cpu, num_prompt_tokens, gpu_tokens)))
 
 
 _plans: dict[tuple[int, bool], _Plan] = {}
@@ -63,25 +118,9 @@ def _plan(layout: InstanceLayout, full_only: bool) -> _Plan:
     key = (id(layout), full_only)  # hashing the layout itself costs more than the lookup
     p = _plans.get(key)
     if p is None or p.layout is not layout:
-        idx = [
-            g
-            for g, s in enumerate(layout.groups)
-            if not full_only or isinstance(s, FullAttentionSpec)
-        ]
-        hbs = layout.hash_block_size
-        lcm = reduce(math.lcm, (g.block_size for g in layout.groups), 1)
-        p = _Plan(
-            layout,
-            tuple(layout.groups[g] for g in idx),
-            tuple(g * NUM_TIERS + int(Tier.GPU) for g in idx),
-            tuple(g * NUM_TIERS + int(Tier.CPU) for g in idx),
-            tuple(layout.groups[g].block_size // hbs for g in idx),
-            all(layout.groups[g].block_size == hbs for g in idx),
-            layout.tokens_per_chunk or lcm,
-        )
         if len(_plans) > 4096:
             _plans.clear()
-        _plans[key] = p
+        p = _plans[key] = _Plan(layout, full_only)
     return p
 
 
@@ -105,38 +144,9 @@ def score_residency(
     full_only: bool = False,
 ) -> Score:
     """``(gpu_tokens, cpu_tokens)`` for one instance; ``positions`` = request hash blocks."""
-    if not residency or num_prompt_tokens <= 1:
+    if not residency:
         return ZERO
-    p = _plan(layout, full_only)
-    if not p.specs:
-        return ZERO
-    get = residency.get
-    if p.uniform:
-        gpu = [get(s, 0) for s in p.gpu_slots]
-    else:
-        gpu = [
-            _regroup(get(s, 0), r, positions) for s, r in zip(p.gpu_slots, p.ratios, strict=True)
-        ]
-    gpu_tokens = longest_cache_hit_masks(p.specs, gpu, num_prompt_tokens - 1) if any(gpu) else 0
-    cpu = [get(s, 0) for s in p.cpu_slots]
-    # cpu_extension only asks about chunks from the one holding the GPU hit end on; with
-    # no CPU residency there, it is 0 without asking.
-    first = gpu_tokens // p.tokens_per_chunk * p.tokens_per_chunk // layout.hash_block_size
-    if not any(c >> first for c in cpu):
-        return Score(gpu_tokens, 0)
-    ratios = p.ratios
-
-    def cpu_cached(g: int, i: int) -> bool:
-        return (cpu[g] >> ((i + 1) * ratios[g] - 1)) & 1 == 1
-
-    try:
-        extra = cpu_extension(
-            p.specs, cpu_cached, num_prompt_tokens, gpu_tokens, p.tokens_per_chunk
-        )
-    except ValueError:  # a configured chunk size that does not fit the groups
-        log.warning("tokens_per_chunk %d does not fit layout %s", p.tokens_per_chunk, layout)
-        extra = 0
-    return Score(gpu_tokens, extra)
+    return _plan(layout, full_only).score(residency, positions, num_prompt_tokens)
 
 
 class Scorer:
@@ -165,18 +175,21 @@ class Scorer:
         out: dict[str, Score] = {}
         # Instances with the same layout and residency (a shared system prompt, replicas
         # fed the same traffic) score the same: compute each distinct case once.
-        memo: dict[tuple[int, tuple[tuple[int, int], ...]], Score] = {}
+        memo: dict[tuple[object, ...], Score] = {}
+        layouts = self.layouts.get
+        plans: dict[int, _Plan] = {}
         for name in names:
             res = found.get(name)
-            layout = self.layouts.get(name) if res else None
+            layout = layouts(name) if res else None
             if layout is None or not res:
                 out[name] = ZERO
                 continue
-            key = (id(layout), tuple(sorted(res.items())))
+            key = (id(layout), *res.items())
             score = memo.get(key)
             if score is None:
-                score = memo[key] = score_residency(
-                    layout, res, n, num_prompt_tokens, full_only=self.full_only
-                )
+                plan = plans.get(id(layout))
+                if plan is None:
+                    plan = plans[id(layout)] = _plan(layout, self.full_only)
+                score = memo[key] = plan.score(res, n, num_prompt_tokens)
             out[name] = score
         return out

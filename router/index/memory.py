@@ -19,6 +19,7 @@ import heapq
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 from events.structs import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -39,6 +40,7 @@ _INTERN_MAX = 1 << 16
 @dataclass(slots=True)
 class _Instance:
     cols: dict[int, int] = field(default_factory=dict)  # slot -> column
+    mask: int = 0  # bitset of the columns in ``cols``
     cursor: tuple[float, int] | None = None
 
 
@@ -62,6 +64,24 @@ class MemoryIndex:
         self, instance: str, batch: KVEventBatch, *, seq: int | None = None, reset: bool = False
     ) -> ApplyResult:
         return self.apply_sync(instance, batch, seq=seq, reset=reset)
+
+    async def apply_many(
+        self,
+        instance: str,
+        items: Sequence[tuple[KVEventBatch, int | None]],
+        *,
+        reset: bool = False,
+    ) -> list[ApplyResult]:
+        # Through ``apply`` rather than ``apply_sync``: wrappers and test doubles that
+        # override ``apply`` (fault injection) see every batch.
+        out = []
+        for i, (batch, seq) in enumerate(items):
+            st = self._inst.get(instance)
+            absent = seq is not None and (st is None or st.cursor is None)
+            res = await self.apply(instance, batch, seq=seq, reset=reset and i == 0)
+            res.cursor_absent = absent
+            out.append(res)
+        return out
 
     async def lookup(
         self, block_hashes: Sequence[int], instances: Sequence[str] | None = None
@@ -148,6 +168,7 @@ class MemoryIndex:
         self._live[col] = 0
         self._owner[col] = (instance, slot)
         st.cols[slot] = col
+        st.mask |= 1 << col
         return col
 
     def _store(self, col: int, hashes: Iterable[Any]) -> int:
@@ -226,6 +247,7 @@ class MemoryIndex:
         for col in st.cols.values():
             self._drop_column(col)
         st.cols.clear()
+        st.mask = 0
         return n
 
     def _drop_column(self, col: int) -> None:
@@ -258,45 +280,37 @@ class MemoryIndex:
     ) -> dict[str, Residency]:
         get = self._blocks.get
         try:
-            vals = [get(h, 0) for h in block_hashes]
-        except TypeError:  # unhashable / bytes digests: normalise once
+            vals = list(map(get, block_hashes, repeat(0, len(block_hashes))))
+        except TypeError:  # unhashable digests: normalise once
             vals = [get(to_wire(h), 0) for h in block_hashes]
-        any_bits = 0
-        for v in vals:
-            any_bits |= v
-        if instances is not None:
-            want = 0
-            for name in instances:
-                st = self._inst.get(name)
-                if st is not None:
-                    for col in st.cols.values():
-                        want |= 1 << col
-            any_bits &= want
-        if not any_bits:
+        # Few distinct bitsets (holder sets) cover all positions: work on those.
+        holders = set(vals)
+        holders.discard(0)
+        if not holders:
             return {}
-        cols = _bits(any_bits)
-        if len(cols) == 1:
-            bit = 1 << cols[0]
-            mask = 0
-            for i, v in enumerate(vals):
-                if v & bit:
-                    mask |= 1 << i
-            per_col = {cols[0]: mask}
-        else:
-            # Few distinct bitsets (holder sets) cover all positions: convert each once.
-            width = (any_bits.bit_length() + 7) // 8
-            if instances is None:
-                rows = {v: v.to_bytes(width, "little") for v in set(vals)}
-            else:
-                rows = {v: (v & any_bits).to_bytes(width, "little") for v in set(vals)}
-            buf = b"".join(map(rows.__getitem__, vals))
-            per_col = columns_from_rows(buf, len(vals), width, cols, "little")
+        keep = -1  # columns to report
+        if instances is not None:
+            keep = 0
+            inst = self._inst
+            for name in instances:
+                st = inst.get(name)
+                if st is not None:
+                    keep |= st.mask
+        # Row width: the highest column reported (the largest bitset holds it).
+        width = ((max(holders) if keep == -1 else keep).bit_length() + 7) // 8 or 1
+        rows = {v: (v & keep).to_bytes(width, "little") for v in holders}
+        rows[0] = bytes(width)
+        buf = b"".join(map(rows.__getitem__, vals))
         out: dict[str, Residency] = {}
         owner = self._owner
-        for col, mask in per_col.items():
+        for col, mask in columns_from_rows(buf, len(vals), width, None, "little").items():
             who = owner[col]
             if who is not None:
-                out.setdefault(who[0], {})[who[1]] = mask
+                res = out.get(who[0])
+                if res is None:
+                    out[who[0]] = {who[1]: mask}
+                else:
+                    res[who[1]] = mask
         return out
 
     # ---- introspection (tests, benchmarks) ---------------------------------------------
@@ -308,12 +322,3 @@ class MemoryIndex:
             "columns": sum(1 for o in self._owner if o is not None),
             "duplicates": sum(self._dups.values()),
         }
-
-
-def _bits(x: int) -> list[int]:
-    out = []
-    while x:
-        low = x & -x
-        out.append(low.bit_length() - 1)
-        x ^= low
-    return out

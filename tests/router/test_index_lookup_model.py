@@ -1,0 +1,63 @@
+"""Lookups against a naive model of residency, on both backends: random stores, removals,
+clears and instance drops over many (instance, group, tier) columns, then lookups of
+random requests restricted to random candidate sets (including instances whose columns
+sit above every column present in the request, and unknown names)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from router_testkit import batch, removed, stored
+
+from events.structs import AllBlocksCleared
+from router.index import Tier, slot_of
+
+NAMES = [f"i{k}" for k in range(9)]
+POOL = [5000 + i for i in range(40)]
+MEDIA = {Tier.GPU: "GPU", Tier.CPU: "CPU"}
+
+
+def model_lookup(model, hashes, instances):
+    want = set(model) if instances is None else set(instances) & set(model)
+    out: dict[str, dict[int, int]] = {}
+    for name in sorted(want):
+        for slot, counts in model[name].items():
+            mask = sum(1 << i for i, h in enumerate(hashes) if counts[h] > 0)
+            if mask:
+                out.setdefault(name, {})[slot] = mask
+    return out
+
+
+async def test_lookup_equals_a_naive_model_of_residency(index):
+    rng = random.Random(7)
+    model: dict[str, dict[int, Counter]] = {}
+    for step in range(160):
+        name = rng.choice(NAMES)
+        group, tier = rng.randrange(3), rng.choice([Tier.GPU, Tier.CPU])
+        slot = slot_of(group, tier)
+        roll = rng.random()
+        if roll < 0.6:
+            hs = rng.sample(POOL, rng.randint(1, 8))
+            await index.apply(name, batch(stored(hs, group, MEDIA[tier])))
+            model.setdefault(name, {}).setdefault(slot, Counter()).update(hs)
+        elif roll < 0.85:
+            counts = model.get(name, {}).get(slot)
+            held = [h for h, n in (counts or {}).items() if n > 0]
+            if held:
+                hs = rng.sample(held, rng.randint(1, len(held)))
+                await index.apply(name, batch(removed(hs, group, MEDIA[tier])))
+                counts.subtract(hs)
+        elif roll < 0.93:
+            await index.apply(name, batch(AllBlocksCleared()))
+            model.pop(name, None)
+        else:
+            await index.clear(name)
+            model.pop(name, None)
+        if step % 8 == 0:
+            hashes = rng.choices(POOL, k=rng.randint(1, 24))
+            cands = (
+                None if rng.random() < 0.3 else rng.sample([*NAMES, "nobody"], rng.randint(0, 4))
+            )
+            got = await index.lookup(hashes, cands)
+            assert got == model_lookup(model, hashes, cands), (step, cands)
