@@ -74,6 +74,11 @@ class ApplyResult:
     removed: int = 0  # block entries released
     unknown: int = 0  # removals of entries the index did not hold
     cleared: int = 0  # (instance, slot) columns dropped by AllBlocksCleared / reset
+    # A seq'd batch found no cursor for the instance: its first batch, the first after a
+    # clear -- or, for an ingester that had applied batches, the index lost the instance
+    # (a Redis restarted empty, a reaped heartbeat). Reported by ``apply_many``; backends
+    # may leave it False in ``apply``.
+    cursor_absent: bool = False
 
 
 @runtime_checkable
@@ -89,6 +94,18 @@ class BlockIndex(Protocol):
         applied one, so two ingesters of the same source never double count. ``reset`` drops
         the instance's state first (source restarted / batches lost), in the same step.
         """
+        ...
+
+    async def apply_many(
+        self,
+        instance: str,
+        items: Sequence[tuple[KVEventBatch, int | None]],
+        *,
+        reset: bool = False,
+    ) -> list[ApplyResult]:
+        """``apply`` each ``(batch, seq)`` in order, ``reset`` with the first only; one
+        result per item. What a backlog of batches costs: shared backends send them in one
+        round trip (each batch still atomic, the cursor still deduplicating them)."""
         ...
 
     async def lookup(
@@ -121,19 +138,23 @@ class BlockIndex(Protocol):
 
 
 def columns_from_rows(
-    buf: bytes, rows: int, width: int, cols: Iterable[int], bitorder: str
+    buf: bytes, rows: int, width: int, cols: Iterable[int] | None, bitorder: str
 ) -> dict[int, int]:
     """Transpose ``rows`` fixed-width bitsets (row i = block i) into per-column masks.
 
     ``buf`` holds the rows back to back, ``width`` bytes each, with ``bitorder`` "little"
-    (Python ints) or "big" (Redis SETBIT). Returns {column: int with bit i = row i's bit}.
-    numpy does the transpose; a Python loop over rows x columns would cost milliseconds.
+    (Python ints) or "big" (Redis SETBIT). Returns {column: int with bit i = row i's bit}
+    for the columns in ``cols`` (None: every column) that have a bit set. numpy does the
+    transpose; a Python loop over rows x columns would cost milliseconds.
     """
     bits = np.unpackbits(np.frombuffer(buf, dtype=np.uint8), bitorder=bitorder)  # type: ignore[arg-type]
     # Transpose to a contiguous (columns, rows) matrix first: packbits on a strided view
     # is several times slower.
     cols_by_row = np.ascontiguousarray(bits.reshape(rows, width * 8).T)
-    packed = np.packbits(cols_by_row, axis=1, bitorder="little").tobytes()
+    matrix = np.packbits(cols_by_row, axis=1, bitorder="little")
+    if cols is None:
+        cols = np.flatnonzero(matrix.any(axis=1)).tolist()
+    packed = matrix.tobytes()
     stride = (rows + 7) // 8
     out = {}
     from_bytes = int.from_bytes

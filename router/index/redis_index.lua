@@ -17,20 +17,28 @@
 -- @script apply
 -- ARGV: P, instance, seq (-1: unconditional), ts, reset (0/1), heartbeat ms, block ttl ms,
 --       then per event: op ("S" store, "R" remove, "C" clear all), slot, packed hashes.
--- Returns {applied, stored, removed, unknown, retired columns}.
-local call, sub, sbyte = redis.call, string.sub, string.byte
+-- Returns {applied, stored, removed, unknown, retired columns, cursor absent}; "cursor
+-- absent" (a seq'd batch found no cursor) tells an ingester that believed the instance
+-- synced that the index lost it (restarted empty, reaped).
+-- Per block: one SETBIT per store, one GETDEL per release of a block no other column
+-- holds; refcounts are read and written in bulk per event. Command arguments are strings:
+-- a Lua number argument costs a float-to-string conversion per call.
+local call, sub, sbyte, schar = redis.call, string.sub, string.byte, string.char
 local P, inst = ARGV[1], ARGV[2]
 local seq, ts = tonumber(ARGV[3]), tonumber(ARGV[4])
 local hb_ms, block_ms = tonumber(ARGV[6]), tonumber(ARGV[7])
 local ikey = P .. ':i:' .. inst
 
+local absent = 0
 if seq >= 0 then
   local cur = call('HMGET', ikey, 'ts', 'seq')
   if cur[1] then
     local cts, cseq = tonumber(cur[1]), tonumber(cur[2])
     if ts < cts or (ts == cts and seq <= cseq) then
-      return {0, 0, 0, 0, 0}
+      return {0, 0, 0, 0, 0, 0}
     end
+  else
+    absent = 1
   end
 end
 
@@ -45,7 +53,7 @@ local function retire()
       retired = retired + 1
     end
   end
-  call('HINCRBY', P .. ':meta', 'colver', 1)
+  call('HINCRBY', P .. ':meta', 'colver', '1')
 end
 
 local cols = {}
@@ -59,14 +67,21 @@ local function column(slot, create)
     if #free > 0 then
       c = free[1]
     else
-      c = tostring(call('HINCRBY', P .. ':meta', 'ncol', 1) - 1)
+      c = tostring(call('HINCRBY', P .. ':meta', 'ncol', '1') - 1)
     end
     call('HSET', ikey, '#' .. slot, c)
     call('HSET', P .. ':col', c, slot .. ':' .. inst)
-    call('HINCRBY', P .. ':meta', 'colver', 1)
+    call('HINCRBY', P .. ':meta', 'colver', '1')
   end
   cols[slot] = c
   return c
+end
+
+-- Runs of up to 7000 fields per variadic call (Lua's unpack has a stack limit).
+local function bulk(cmd, key, list)
+  for j = 1, #list, 7000 do
+    call(cmd, key, unpack(list, j, math.min(j + 6999, #list)))
+  end
 end
 
 if ARGV[5] == '1' then retire() end
@@ -76,32 +91,29 @@ local bp = P .. ':b:'
 for i = 8, #ARGV, 3 do
   local op, slot, hs = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   if op == 'S' then
-    -- New entries: SETBIT says the bit was clear; their refcount fields are written in one
-    -- HSET per event. Duplicates (bit already set) bump the refcount.
+    -- SETBIT says whether the column held the block: new entries get refcount 1 in one
+    -- HSET per event, then every repeat (held before, or earlier in this event) is
+    -- counted on top with HINCRBY.
     local c = column(slot, true)
-    local ci, rv = tonumber(c), P .. ':r:' .. c
-    local new, fresh, nn = {}, {}, 0
+    local rv = P .. ':r:' .. c
+    local new, nn, again = {}, 0, nil
     for j = 1, #hs, 8 do
       local h = sub(hs, j, j + 7)
       local bk = bp .. h
-      if call('SETBIT', bk, ci, 1) == 0 then
-        fresh[h] = 1
+      if call('SETBIT', bk, c, '1') == 0 then
         new[nn + 1] = h
         new[nn + 2] = '1'
         nn = nn + 2
-      elseif fresh[h] then
-        fresh[h] = fresh[h] + 1
       else
-        call('HINCRBY', rv, h, 1)
+        again = again or {}
+        again[#again + 1] = h
       end
-      if block_ms > 0 then call('PEXPIRE', bk, block_ms) end
-      stored = stored + 1
+      if block_ms > 0 then call('PEXPIRE', bk, ARGV[7]) end
     end
-    for j = 1, #new, 2 do
-      if fresh[new[j]] > 1 then new[j + 1] = tostring(fresh[new[j]]) end
-    end
-    for j = 1, #new, 7000 do
-      call('HSET', rv, unpack(new, j, math.min(j + 6999, #new)))
+    stored = stored + #hs / 8
+    bulk('HSET', rv, new)
+    if again then
+      for k = 1, #again do call('HINCRBY', rv, again[k], '1') end
     end
   elseif op == 'R' then
     -- Refcounts are read with one HMGET and released ones dropped with one HDEL per
@@ -132,28 +144,51 @@ for i = 8, #ARGV, 3 do
           if n == 0 then
             gone[#gone + 1] = h
             local bk = bp .. h
-            local v = call('GET', bk)
-            -- Delete the bitmap when this column's bit is the only one set.
-            local only = v and #v >= byte and sbyte(v, byte) == bit
-            if only then
-              for i2 = 1, #v do
-                if i2 ~= byte and sbyte(v, i2) ~= 0 then only = false break end
+            if block_ms > 0 then
+              -- Edit in place: the block's TTL stays.
+              local v = call('GET', bk)
+              local only = v and #v >= byte and sbyte(v, byte) == bit
+              if only then
+                for i2 = 1, #v do
+                  if i2 ~= byte and sbyte(v, i2) ~= 0 then only = false break end
+                end
               end
-            end
-            if only then
-              call('DEL', bk)
-            elseif v then
-              call('SETBIT', bk, ci, 0)
+              if only then
+                call('DEL', bk)
+              elseif v then
+                call('SETBIT', bk, c, '0')
+              end
+            else
+              -- Take the bitmap; put it back without this column's bit unless that bit
+              -- was its only one (the common case: one call per released block).
+              local v = call('GETDEL', bk)
+              if v then
+                local b = sbyte(v, byte)
+                if b and math.floor(b / bit) % 2 == 1 then b = b - bit end
+                local rest = b ~= nil and b ~= 0
+                if not rest then
+                  for i2 = 1, #v do
+                    if i2 ~= byte and sbyte(v, i2) ~= 0 then rest = true break end
+                  end
+                end
+                if rest then
+                  if b then v = sub(v, 1, byte - 1) .. schar(b) .. sub(v, byte + 1) end
+                  call('SET', bk, v)
+                end
+              end
             end
           end
         end
       end
+      local upd = {}
       for h, n in pairs(left) do
-        if n > 0 then call('HSET', rv, h, n) end
+        if n > 0 then
+          upd[#upd + 1] = h
+          upd[#upd + 1] = tostring(n)
+        end
       end
-      for j = 1, #gone, 7000 do
-        call('HDEL', rv, unpack(gone, j, math.min(j + 6999, #gone)))
-      end
+      bulk('HSET', rv, upd)
+      bulk('HDEL', rv, gone)
     end
   elseif op == 'C' then
     retire()
@@ -163,12 +198,15 @@ end
 
 if seq >= 0 then call('HSET', ikey, 'ts', ARGV[4], 'seq', ARGV[3]) end
 call('SADD', P .. ':insts', inst)
-if hb_ms > 0 then call('SET', P .. ':hb:' .. inst, '1', 'PX', hb_ms) end
-return {1, stored, removed, unknown, retired}
+if hb_ms > 0 then call('SET', P .. ':hb:' .. inst, '1', 'PX', ARGV[6]) end
+return {1, stored, removed, unknown, retired, absent}
 
 -- @script lookup
--- KEYS: block keys. ARGV: P, the caller's column map version, check heartbeats (0/1).
--- Returns {colver, column map (or {} when the caller's is current), live instances, bitmaps}.
+-- ARGV: P, the caller's column map version, check heartbeats (0/1), the request's block
+-- hashes packed (8 bytes each, big-endian). Returns {colver, column map (or {} when the
+-- caller's is current), live instances, row width, every block's bitmap zero-padded to
+-- the row width and concatenated}. Keys are built here and the rows joined here: passing
+-- 512 keys and reading 512 replies costs the client more than the lookup costs Redis.
 local P = ARGV[1]
 local ver = redis.call('HGET', P .. ':meta', 'colver') or '0'
 local colmap = {}
@@ -179,13 +217,27 @@ for _, inst in ipairs(redis.call('SMEMBERS', P .. ':insts')) do
     live[#live + 1] = inst
   end
 end
-local vals = {}
-local n = #KEYS
+local hs, bp = ARGV[4], P .. ':b:'
+local n = #hs / 8
+local vals, width = {}, 0
 for i = 1, n, 4000 do
-  local part = redis.call('MGET', unpack(KEYS, i, math.min(i + 3999, n)))
-  for j = 1, #part do vals[#vals + 1] = part[j] end
+  local keys = {}
+  for j = i, math.min(i + 3999, n) do
+    keys[#keys + 1] = bp .. string.sub(hs, j * 8 - 7, j * 8)
+  end
+  local part = redis.call('MGET', unpack(keys))
+  for k = 1, #part do
+    local v = part[k] or ''
+    if #v > width then width = #v end
+    vals[#vals + 1] = v
+  end
 end
-return {ver, colmap, live, vals}
+if width == 0 then return {ver, colmap, live, 0, ''} end
+for i = 1, n do
+  local v = vals[i]
+  if #v < width then vals[i] = v .. string.rep('\0', width - #v) end
+end
+return {ver, colmap, live, width, table.concat(vals)}
 
 -- @script drop
 -- ARGV: P, instance. Retires all the instance's columns and forgets its cursor (O(1) in

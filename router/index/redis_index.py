@@ -2,11 +2,12 @@
 
 Data model (see ``redis_index.lua`` for the key list): per block a bitmap STRING over
 *columns* (one column = one (instance, slot) pair, ids allocated server-side and reused),
-per column a reverse HASH hash -> refcount. Writes are one Lua call per event batch (one
-round trip, atomic); lookups one Lua call returning every block's bitmap, which numpy
-transposes into per-column masks. Clearing an instance retires its columns in O(1) --
-readers stop seeing them at once -- and the bits are reclaimed in bounded chunks, O(its
-blocks) in total, without ever blocking Redis for long.
+per column a reverse HASH hash -> refcount. Writes are one Lua call per event batch
+(atomic; a backlog of batches goes as one pipeline of them, one round trip); lookups one
+Lua call returning every block's bitmap, which numpy transposes into per-column masks.
+Clearing an instance retires its columns in O(1) -- readers stop seeing them at once --
+and the bits are reclaimed in bounded chunks, O(its blocks) in total, without ever
+blocking Redis for long.
 
 Several routers may share a namespace: one (or more) ingests, all read. Each batch carries
 its ``(ts, seq)``; the script applies it only if newer than the instance's stored cursor,
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from events.structs import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from router.index.base import (
@@ -101,7 +103,6 @@ class RedisIndex:
     ) -> None:
         self.url = url
         self.prefix = namespace or namespace_for(model, hash_algo, hash_seed)
-        self._bprefix = (self.prefix + ":b:").encode()
         self._hb_ms = int(instance_ttl_s * 1000) if instance_ttl_s else 0
         self._block_ms = int(block_ttl_s * 1000) if block_ttl_s else 0
         self._owns_client = client is None
@@ -118,6 +119,61 @@ class RedisIndex:
     async def apply(
         self, instance: str, batch: KVEventBatch, *, seq: int | None = None, reset: bool = False
     ) -> ApplyResult:
+        await self._describe()
+        r = await self._scripts["apply"](args=self._apply_args(instance, batch, seq, reset))
+        res = _result(r)
+        if res.cleared:
+            self._kick_reclaim()
+        return res
+
+    async def apply_many(
+        self,
+        instance: str,
+        items: Sequence[tuple[KVEventBatch, int | None]],
+        *,
+        reset: bool = False,
+    ) -> list[ApplyResult]:
+        """One pipeline of apply calls: one round trip for a backlog. Not a transaction --
+        each call is atomic and readers may see the batches land one by one, as with
+        ``apply``; the cursor keeps a retried or concurrently ingested batch from counting
+        twice. Each call is sent as soon as it is encoded and the replies are read at the
+        end, so Redis runs the first batches while the next are encoded. The script is
+        loaded at the head of the pipeline: no call in it can meet NOSCRIPT (a Redis
+        restarted empty forgets its scripts) and run out of order."""
+        if len(items) <= 1:
+            return [await self.apply(instance, b, seq=s, reset=reset) for b, s in items]
+        await self._describe()
+        script = self._scripts["apply"]
+        pool = self.redis.connection_pool
+        conn = await pool.get_connection()
+        replies: list[Any] = []
+        try:
+            await conn.send_packed_command(conn.pack_command("SCRIPT", "LOAD", script.script))
+            for i, (batch, seq) in enumerate(items):
+                args = self._apply_args(instance, batch, seq, reset and i == 0)
+                cmd = conn.pack_command("EVALSHA", script.sha, 0, *args)
+                await conn.send_packed_command(cmd, check_health=False)
+            for _ in range(len(items) + 1):
+                try:
+                    replies.append(await conn.read_response())
+                except ResponseError as exc:  # a whole reply: the stream stays in step
+                    replies.append(exc)
+        except BaseException:
+            await conn.disconnect()  # replies may still be on the way: never reuse it
+            raise
+        finally:
+            await pool.release(conn)
+        for r in replies:
+            if isinstance(r, Exception):
+                raise r
+        out = [_result(r) for r in replies[1:]]
+        if any(r.cleared for r in out):
+            self._kick_reclaim()
+        return out
+
+    def _apply_args(
+        self, instance: str, batch: KVEventBatch, seq: int | None, reset: bool
+    ) -> list[Any]:
         args: list[Any] = [
             self.prefix,
             instance,
@@ -139,14 +195,13 @@ class RedisIndex:
                     args += ("R", slot, _pack(ev.block_hashes))
             elif t is AllBlocksCleared:
                 args += ("C", 0, b"")
+        return args
+
+    async def _describe(self) -> None:
+        """Write the namespace's description (model, hash settings) once per client."""
         if not self._desc_written:
             await self.redis.hset(f"{self.prefix}:meta", mapping=self._desc)  # type: ignore[misc]
             self._desc_written = True
-        r = await self._scripts["apply"](args=args)
-        res = ApplyResult(bool(r[0]), int(r[1]), int(r[2]), int(r[3]), int(r[4]))
-        if res.cleared:
-            self._kick_reclaim()
-        return res
 
     async def clear(self, instance: str) -> None:
         await self._scripts["drop"](args=[self.prefix, instance])
@@ -190,18 +245,13 @@ class RedisIndex:
     ) -> dict[str, Residency]:
         if not block_hashes:
             return {}
-        bp = self._bprefix
-        try:
-            keys = [bp + h.to_bytes(8, "big") for h in block_hashes]
-        except (AttributeError, OverflowError):
-            keys = [bp + to_wire(h).to_bytes(8, "big") for h in block_hashes]
-        ver, colmap, live, vals = await self._scripts["lookup"](
-            keys=keys, args=[self.prefix, self._colver, 1 if self._hb_ms else 0]
+        ver, colmap, live, width, buf = await self._scripts["lookup"](
+            args=[self.prefix, self._colver, 1 if self._hb_ms else 0, _pack(block_hashes)]
         )
         if ver != self._colver:
             self._colmap = _parse_colmap(colmap)
             self._colver = ver
-        width = max((len(v) for v in vals if v), default=0)
+        width = int(width)
         if not width:
             return {}
         alive = {x.decode() for x in live}
@@ -210,10 +260,8 @@ class RedisIndex:
         cols = [c for c, (name, _) in self._colmap.items() if name in alive and c < width * 8]
         if not cols:
             return {}
-        zero = bytes(width)
-        buf = b"".join([v.ljust(width, b"\0") if v else zero for v in vals])
         out: dict[str, Residency] = {}
-        for col, mask in columns_from_rows(buf, len(vals), width, cols, "big").items():
+        for col, mask in columns_from_rows(buf, len(block_hashes), width, cols, "big").items():
             name, slot = self._colmap[col]
             out.setdefault(name, {})[slot] = mask
         return out
@@ -264,6 +312,10 @@ class RedisIndex:
             entries += await self.redis.hlen(key)  # type: ignore[misc]
         dead = await self.redis.llen(f"{self.prefix}:dead")  # type: ignore[misc]
         return {"blocks": blocks, "entries": entries, "dead_columns": dead}
+
+
+def _result(r: list[Any]) -> ApplyResult:
+    return ApplyResult(bool(r[0]), int(r[1]), int(r[2]), int(r[3]), int(r[4]), bool(r[5]))
 
 
 def _parse_colmap(flat: list[bytes]) -> dict[int, tuple[str, int]]:

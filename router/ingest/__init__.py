@@ -2,9 +2,13 @@
 
 Per subscriber item (``events.subscriber``; gaps are already healed by replay there):
 
-* ``BatchReceived`` -> learn the group layout, ``index.apply(instance, batch, seq=...)``.
-  The index skips batches older than its cursor, so re-deliveries and a second ingester
-  of the same source never double count.
+* ``BatchReceived`` -> learn the group layout, apply ``(batch, seq)`` to the index. The
+  subscriber is read ahead in a task: batches that queued up while the previous ones were
+  being applied (a backlog, a replay) go to ``index.apply_many`` together, up to
+  ``drain_batches`` / ``drain_blocks`` -- one round trip to a shared index instead of one
+  per batch -- still in order and counted one by one. The index skips batches older than
+  its cursor, so re-deliveries and a second ingester of the same source never double
+  count.
 * ``SourceRestarted`` -> the engine restarted and its cache is empty: the *next* batch is
   applied with ``reset=True``, which drops the instance's state in the same atomic step
   (two ingesters sharing Redis then reset once, not twice).
@@ -17,9 +21,10 @@ Per subscriber item (``events.subscriber``; gaps are already healed by replay th
 * ``resync`` (the router calls it when an instance goes down: it may come back restarted,
   with an empty cache) -> clear the instance now, rebuild it from replay (seq 0 on).
 * The index lost the instance (a Redis restarted empty, a heartbeat reaped): once batches
-  were applied, the index must hold the instance's cursor; it is checked before each
-  apply and every ``cursor_check_s`` while idle, and a missing one forces a resync --
-  otherwise new batches would pile onto an empty state and the history never come back.
+  were applied, the index must hold the instance's cursor. ``apply_many`` reports a batch
+  that found none (``ApplyResult.cursor_absent``, no extra round trip), and the cursor is
+  checked every ``cursor_check_s`` while idle; either forces a resync -- otherwise new
+  batches would pile onto an empty state and the history never come back.
 
 Bad payloads are counted by the subscriber and skipped; events naming an impossible
 ``group_idx`` and batches with an impossible ``ts`` (NaN, an hour ahead) are dropped and
@@ -27,7 +32,8 @@ counted (status ``invalid``); an index error is retried with backoff, then force
 Nothing here lets one instance's trouble stop the others.
 
 Modules: ``manager`` (``IngestManager``), ``sources`` (where events come from, per-instance
-feed state), ``metrics`` (``kvroute_ingest_*``) and ``checks`` (impossible events and ts).
+feed state), ``ahead`` (reading a source ahead), ``metrics`` (``kvroute_ingest_*``) and
+``checks`` (impossible events and ts).
 """
 
 from router.ingest.manager import IngestManager

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from events.structs import KVEventBatch
 from router.index.base import BlockIndex
+from router.ingest.ahead import ReadAhead
 from router.ingest.checks import impossible, plausible_ts
 from router.ingest.metrics import IngestMetrics
 from router.ingest.sources import EventSource, Feed, InstanceSource, SourceFactory
@@ -35,6 +36,8 @@ class IngestManager:
         heartbeat_s: float | None = 30.0,
         retry_delays: tuple[float, ...] = (0.05, 0.2, 1.0, 2.0, 5.0),
         cursor_check_s: float | None = 2.0,
+        drain_batches: int = 64,
+        drain_blocks: int = 16_384,
     ) -> None:
         self.index = index
         self.layouts = layouts if layouts is not None else LayoutRegistry()
@@ -44,6 +47,10 @@ class IngestManager:
         self._heartbeat_s = heartbeat_s
         self._retry_delays = retry_delays
         self._cursor_check_s = cursor_check_s
+        # A backlog is applied in chunks of at most this many batches / blocks: one index
+        # round trip each, small enough that waiters and lag see progress every few ms.
+        self._drain_batches = drain_batches
+        self._drain_blocks = drain_blocks
         self._feeds: dict[str, Feed] = {}
         self._beat: asyncio.Task[None] | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -172,10 +179,12 @@ class IngestManager:
             sub = feed.sub = self._factory(feed.source, start_seq)
             feed.seen_stats = {}
             resync = False
+            ahead: ReadAhead | None = None
             try:
                 await sub.start()
-                async for item in sub:
-                    resync = await self._handle(feed, item)
+                ahead = ReadAhead(sub)
+                while items := await ahead.next(self._drain_batches):
+                    resync = await self._handle_many(feed, items)
                     self._sync_stats(feed, sub)
                     failures = 0
                     if resync:
@@ -188,6 +197,8 @@ class IngestManager:
                 log.exception("%s: event source failed", name)
                 await asyncio.sleep(min(5.0, 0.1 * 2**failures))
             finally:
+                if ahead is not None:
+                    await ahead.close()
                 self._sync_stats(feed, sub)
                 with contextlib.suppress(Exception):
                     await sub.close()
@@ -198,16 +209,34 @@ class IngestManager:
             else:
                 start_seq = None
 
+    async def _handle_many(self, feed: Feed, items: list[Any]) -> bool:
+        """Handle subscriber items in order, each run of batches with one ``apply_many``;
+        True asks for a resubscription from seq 0 (the rest of ``items`` is dropped with
+        the subscriber, as a resubscription would deliver it again)."""
+        i = 0
+        while i < len(items):
+            if type(items[i]).__name__ != "BatchReceived":
+                if await self._handle(feed, items[i]):
+                    return True
+                i += 1
+                continue
+            j, blocks = i, 0
+            while (
+                j < len(items)
+                and type(items[j]).__name__ == "BatchReceived"
+                and (j == i or blocks < self._drain_blocks)
+            ):
+                blocks += _blocks(items[j].batch)
+                j += 1
+            if await self._apply_run(feed, items[i:j]):
+                return True
+            i = j
+        return False
+
     async def _handle(self, feed: Feed, item: Any) -> bool:
-        """Handle one subscriber item; True asks for a resubscription from seq 0."""
+        """Handle one subscriber item other than a batch; True asks for a resubscription."""
         name = feed.source.name
         kind = type(item).__name__
-        if kind == "BatchReceived":
-            feed.resyncing = False
-            ok = await self._apply(feed, item.seq, item.batch, replayed=item.replayed)
-            if not ok:
-                return await self._resync(feed)
-            return False
         if kind == "SourceRestarted":
             log.warning("%s: publisher restarted (seq %d -> %d)", name, item.last_seq, item.new_seq)
             self.metrics.restarts.labels(name).inc()
@@ -235,64 +264,118 @@ class IngestManager:
         feed.last_seq = None  # waiters wait for the rebuilt state, not the cleared one
         return True
 
-    async def _apply(self, feed: Feed, seq: int, batch: KVEventBatch, *, replayed: bool) -> bool:
-        name = feed.source.name
-        m = self.metrics
-        if plausible_ts(batch.ts):
-            if any(map(impossible, batch.events)):
-                batch = self._drop_impossible(name, batch)
-            status = await self._store(feed, seq, batch)
-        else:  # applied, its (ts, seq) would make every later batch look stale
-            log.warning("%s: batch %d with impossible ts %r dropped", name, seq, batch.ts)
-            status = "invalid"
-        counts: dict[str, int] = {}
-        for ev in batch.events:
-            counts[type(ev).__name__] = counts.get(type(ev).__name__, 0) + 1
-        for kind, n in counts.items():
-            m.events.labels(name, kind, status).inc(n)
-        m.batches.labels(name, "replay" if replayed else "live").inc()
-        if replayed:
-            m.replays.labels(name).inc()
-        elif status != "invalid":
-            lag = max(0.0, time.time() - batch.ts)
-            m.lag.labels(name).set(lag)
-            m.lag_hist.observe(lag)
-        feed.last_seq = seq
-        feed.handled += 1
-        m.last_seq.labels(name).set(seq)
-        feed.changed.set()
-        return status != "error"
+    async def _apply_run(self, feed: Feed, recs: list[Any]) -> bool:
+        """``BatchReceived`` items, in seq order: checked, applied with one ``apply_many``,
+        counted one by one. A batch that fails (the index failed, or lost our state) is
+        counted as ``error`` and forces a resync; without a replay endpoint the batches
+        after it are then applied onto the cleared state, as they would have been one by
+        one."""
+        feed.resyncing = False
+        batches, status = self._check(feed.source.name, recs)
+        todo = [k for k, st in enumerate(status) if not st]
+        if todo:
+            await self._learn(feed, [(batches[k], recs[k].seq) for k in todo])
+        counted = 0
+        while todo:
+            outcome = await self._store(feed, [(batches[k], recs[k].seq) for k in todo])
+            for k, st in zip(todo, outcome, strict=False):
+                status[k] = st
+            failed = todo[len(outcome) - 1] if outcome[-1] == "error" else None
+            upto = len(recs) if failed is None else failed + 1
+            for k in range(counted, upto):
+                self._count(feed, recs[k], batches[k], status[k])
+            counted = upto
+            if failed is None:
+                return False
+            if await self._resync(feed):
+                return True
+            todo = [k for k in todo if k > failed]
+        for k in range(counted, len(recs)):  # only invalid ones are left
+            self._count(feed, recs[k], batches[k], status[k])
+        return False
 
-    async def _store(self, feed: Feed, seq: int, batch: KVEventBatch) -> str:
-        """Learn the layout, apply to the index (retrying); ``applied``/``stale``/``error``."""
+    def _check(self, name: str, recs: list[Any]) -> tuple[list[KVEventBatch], list[str]]:
+        """The batches to apply (impossible events dropped) and their status so far:
+        ``invalid`` for an impossible ts -- applied, its (ts, seq) would make every later
+        batch look stale -- else "" (to apply)."""
+        batches, status = [], []
+        for rec in recs:
+            batch = rec.batch
+            if not plausible_ts(batch.ts):
+                log.warning("%s: batch %d with impossible ts %r dropped", name, rec.seq, batch.ts)
+                status.append("invalid")
+            else:
+                if any(map(impossible, batch.events)):
+                    batch = self._drop_impossible(name, batch)
+                status.append("")
+            batches.append(batch)
+        return batches, status
+
+    async def _learn(self, feed: Feed, items: list[tuple[KVEventBatch, int]]) -> None:
+        """Learn the group layout from each batch; share the newest with other routers."""
         name = feed.source.name
-        m = self.metrics
-        try:
-            learned = self.layouts.learned(name) if self.layouts.observe(name, batch) else None
-        except Exception:  # never let odd geometry stop the feed; the index still learns
-            m.errors.labels(name).inc()
-            log.exception("%s: cannot learn the layout from batch %d", name, seq)
-            learned = None
+        learned = None
+        for batch, seq in items:
+            try:
+                if self.layouts.observe(name, batch):
+                    learned = self.layouts.learned(name)
+            except Exception:  # never let odd geometry stop the feed; the index still learns
+                self.metrics.errors.labels(name).inc()
+                log.exception("%s: cannot learn the layout from batch %d", name, seq)
         if learned is not None:
             with contextlib.suppress(Exception):
                 await self.index.put_layout(name, learned.to_dict())
+
+    async def _store(self, feed: Feed, items: list[tuple[KVEventBatch, int]]) -> list[str]:
+        """Apply ``items`` in order (retrying): ``applied``/``stale`` per batch, cut short
+        by an ``error`` at the first batch that failed or found our state gone."""
+        name = feed.source.name
         for delay in (*self._retry_delays, None):
+            # Once a batch was applied since the last clear, the index holds our cursor: a
+            # batch that finds none means the index lost the instance (a Redis restarted
+            # empty, a reaped heartbeat) -- rebuild from replay rather than onto nothing.
+            synced = feed.synced and not feed.pending_reset
             try:
-                if feed.synced and not feed.pending_reset and not await self._has_cursor(name):
-                    log.warning("%s: the index lost this instance's state", name)
-                    return "error"  # -> resync: rebuild from replay, not onto nothing
-                res = await self.index.apply(name, batch, seq=seq, reset=feed.pending_reset)
+                results = await self.index.apply_many(name, items, reset=feed.pending_reset)
             except Exception:
-                m.errors.labels(name).inc()
-                log.exception("%s: applying batch %d failed", name, seq)
+                self.metrics.errors.labels(name).inc()
+                log.exception("%s: applying batches %d..%d failed", name, items[0][1], items[-1][1])
                 if delay is None:
                     break
                 await asyncio.sleep(delay)
                 continue
             feed.pending_reset = False
             feed.synced = True
-            return "applied" if res.applied else "stale"
-        return "error"
+            out = []
+            for k, res in enumerate(results):
+                if res.cursor_absent and (synced or k > 0):
+                    log.warning("%s: the index lost this instance's state", name)
+                    out.append("error")
+                    break
+                out.append("applied" if res.applied else "stale")
+            return out
+        return ["error"]
+
+    def _count(self, feed: Feed, rec: Any, batch: KVEventBatch, status: str) -> None:
+        """Per-batch metrics and progress (``last_seq``, ``wait_for_seq`` waiters)."""
+        name = feed.source.name
+        m = self.metrics
+        counts: dict[str, int] = {}
+        for ev in batch.events:
+            counts[type(ev).__name__] = counts.get(type(ev).__name__, 0) + 1
+        for kind, n in counts.items():
+            m.events.labels(name, kind, status).inc(n)
+        m.batches.labels(name, "replay" if rec.replayed else "live").inc()
+        if rec.replayed:
+            m.replays.labels(name).inc()
+        elif status != "invalid":
+            lag = max(0.0, time.time() - batch.ts)
+            m.lag.labels(name).set(lag)
+            m.lag_hist.observe(lag)
+        feed.last_seq = rec.seq
+        feed.handled += 1
+        m.last_seq.labels(name).set(rec.seq)
+        feed.changed.set()
 
     async def _has_cursor(self, name: str) -> bool:
         return await self.index.cursor(name) is not None
@@ -338,7 +421,7 @@ class IngestManager:
 
     async def _watch_cursors(self) -> None:
         """Idle instances: a synced feed whose cursor vanished lost its state (a Redis that
-        restarted empty, a reaped heartbeat); busy ones are checked before each apply."""
+        restarted empty, a reaped heartbeat); busy ones learn it from ``apply_many``."""
         assert self._cursor_check_s
         while True:
             await asyncio.sleep(self._cursor_check_s)
@@ -352,3 +435,7 @@ class IngestManager:
                 if lost and feed.synced and self._feeds.get(name) is feed:
                     log.warning("%s: the index lost this instance's state", name)
                     self.resync(name)
+
+
+def _blocks(batch: KVEventBatch) -> int:
+    return sum(len(getattr(ev, "block_hashes", ())) for ev in batch.events)

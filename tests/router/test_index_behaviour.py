@@ -11,6 +11,7 @@ from collections import Counter
 import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
+from redis.exceptions import ResponseError
 from router_testkit import batch, new_namespace, positions, removed, stored
 
 from events.structs import AllBlocksCleared
@@ -249,6 +250,84 @@ async def test_random_event_streams_match_a_reference_model(index, seed):
     assert await index.lookup(universe) == want
 
 
+def _random_stream(seed: int, n: int) -> list:
+    """(batch, seq) items over a small universe: duplicate stores, removals (some of
+    unknown blocks), group/tier mixes, an AllBlocksCleared, and stale re-deliveries."""
+    rng = random.Random(seed)
+    universe = list(range(7000, 7030))
+    items = []
+    for step in range(n):
+        events = []
+        for _ in range(rng.randint(1, 4)):
+            group, medium = rng.randrange(2), rng.choice(["GPU", "CPU"])
+            hs = [rng.choice(universe) for _ in range(rng.randint(1, 5))]
+            events.append((stored if rng.random() < 0.6 else removed)(hs, group, medium))
+        if step == n // 2:
+            events.append(AllBlocksCleared())
+        items.append((batch(*events, ts=float(step)), step))
+        if step % 7 == 6:
+            items.append(items[-3])  # a re-delivery: stale
+    return items
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16])
+async def test_apply_many_equals_applying_each_batch_in_turn(index, chunk):
+    items = _random_stream(chunk, 60)
+    await index.apply("a", batch(stored(H[:3]), ts=-1.0), seq=0)  # the reset drops it
+    await index.apply("b", batch(stored(H[:3]), ts=-1.0), seq=0)
+    one_by_one = [await index.apply("b", b, seq=s, reset=k == 0) for k, (b, s) in enumerate(items)]
+    many = []
+    for k in range(0, len(items), chunk):
+        many += await index.apply_many("a", items[k : k + chunk], reset=k == 0)
+
+    def counts(r):
+        return (r.applied, r.stored, r.removed, r.unknown, r.cleared)
+
+    assert [counts(r) for r in many] == [counts(r) for r in one_by_one]
+    assert sum(not r.applied for r in many) >= 8  # the stale re-deliveries were skipped
+    res = await index.lookup([*H[:3], *range(7000, 7030)])
+    assert res.get("a") == res.get("b") and res.get("a")
+    assert await index.cursor("a") == await index.cursor("b") == (59.0, 59)
+
+
+async def test_apply_many_with_nothing_to_apply_does_nothing(index):
+    assert await index.apply_many("a", []) == []
+    assert await index.instances() == []
+
+
+async def test_apply_many_flags_a_batch_that_found_no_cursor(index):
+    first = await index.apply_many("a", [(batch(stored(H[:1]), ts=1.0), 0), (batch(), 1)])
+    assert [r.cursor_absent for r in first] == [True, False]
+    again = await index.apply_many("a", [(batch(ts=1.0), 1), (batch(ts=1.0), 2)])
+    assert [(r.applied, r.cursor_absent) for r in again] == [(False, False), (True, False)]
+    await index.clear("a")  # what a Redis restarted empty looks like to the ingester
+    lost = await index.apply_many("a", [(batch(stored(H[1:2]), ts=1.0), 3)])
+    assert lost[0].applied and lost[0].cursor_absent
+    unseq = await index.apply_many("b", [(batch(stored(H[:1])), None)])
+    assert not unseq[0].cursor_absent  # without a seq there is no cursor to expect
+
+
+async def test_two_ingesters_pipelining_one_source_count_each_batch_once(make_index):
+    first, second = make_index(), make_index()
+    stream = [
+        (batch(stored(H[:4]), ts=1.0), 0),
+        (batch(stored(H[:2]), ts=1.1), 1),  # refcount 2
+        (batch(removed(H[:1]), ts=1.2), 2),
+        (batch(stored(H[4:6]), ts=1.3), 3),
+        (batch(removed(H[1:2], 0), removed(H[4:5]), ts=1.4), 4),
+    ]
+    a = await first.apply_many("e", stream[:3])
+    b = await second.apply_many("e", stream[1:])  # overlaps: 1 and 2 already applied
+    assert [r.applied for r in a] == [True, True, True]
+    assert [r.applied for r in b] == [False, False, True, True]
+    assert not any(r.cursor_absent for r in b)
+    c = await first.apply_many("e", stream)  # the first one catches up: all stale
+    assert not any(r.applied for r in c)
+    # H0 and H1 held twice, each released once; H4 released; H2, H3, H5 held.
+    assert (await first.lookup(H[:6]))["e"] == {G0: 0b101111}
+    assert await second.cursor("e") == (1.4, 4)
+
+
 # ---- memory backend ---------------------------------------------------------------------
 
 
@@ -331,6 +410,88 @@ async def test_redis_apply_is_one_round_trip_per_batch(redis_server, monkeypatch
         sent.clear()
         await idx.lookup(H)
         assert sent == ["EVALSHA"]
+    finally:
+        await idx.close()
+
+
+async def test_redis_apply_many_is_one_round_trip_for_many_batches(redis_server, monkeypatch):
+    idx = RedisIndex(redis_server.url, namespace=new_namespace())
+    try:
+        await idx.apply("a", batch(stored(H[:1])))  # writes the namespace description
+        wire: list[str] = []
+        send, read = aioredis.Connection.send_packed_command, aioredis.Connection.read_response
+
+        async def sending(self, *args, **kw):
+            wire.append("send")
+            return await send(self, *args, **kw)
+
+        async def reading(self, *args, **kw):
+            wire.append("read")
+            return await read(self, *args, **kw)
+
+        monkeypatch.setattr(aioredis.Connection, "send_packed_command", sending)
+        monkeypatch.setattr(aioredis.Connection, "read_response", reading)
+        items = [(batch(stored(H[i : i + 2], i % 2), ts=2.0), i) for i in range(16)]
+        res = await idx.apply_many("a", items)
+        # Everything is sent before the first reply is awaited: one round trip.
+        assert "".join(w[0] for w in wire) == "s" * 17 + "r" * 17
+        assert [r.applied for r in res] == [True] * 16
+        assert (await idx.lookup(H[:17]))["a"] == {G0: (1 << 16) - 1, G1: (1 << 17) - 2}
+    finally:
+        await idx.close()
+
+
+async def test_redis_apply_many_error_fails_the_call_and_leaves_the_connection_usable(
+    redis_server,
+):
+    idx = RedisIndex(redis_server.url, namespace=new_namespace())
+    try:
+        await idx.redis.set(f"{idx.prefix}:i:a", b"not a hash")  # the script's HMGET fails
+        items = [(batch(stored(H[:1]), ts=1.0), 0), (batch(stored(H[1:2]), ts=1.0), 1)]
+        with pytest.raises(ResponseError):
+            await idx.apply_many("a", items)
+        await idx.redis.delete(f"{idx.prefix}:i:a")
+        res = await idx.apply_many("a", items)
+        assert [r.applied for r in res] == [True, True]
+        assert (await idx.lookup(H[:2]))["a"] == {G0: 0b11}
+    finally:
+        await idx.close()
+
+
+async def test_redis_apply_many_after_the_script_cache_was_flushed(redis_server):
+    """A Redis restarted empty has forgotten the scripts; no call of the pipeline may fail
+    with NOSCRIPT (and run out of order)."""
+    idx = RedisIndex(redis_server.url, namespace=new_namespace())
+    try:
+        await idx.apply_many("a", [(batch(stored(H[:1]), ts=1.0), 0), (batch(ts=1.0), 1)])
+        await idx.redis.script_flush()
+        res = await idx.apply_many(
+            "a", [(batch(stored(H[1:2]), ts=2.0), 2), (batch(removed(H[:1]), ts=2.0), 3)]
+        )
+        assert [r.applied for r in res] == [True, True]
+        assert (await idx.lookup(H[:2]))["a"] == {G0: 0b10}
+    finally:
+        await idx.close()
+
+
+async def test_redis_release_keeps_the_bitmap_of_other_holders(redis_server):
+    """A released block whose bitmap other columns share keeps their bits (the bitmap is
+    taken and put back), and disappears with its last holder."""
+    idx = RedisIndex(redis_server.url, namespace=new_namespace())
+    try:
+        for name in ("a", "b", "c"):
+            await idx.apply(name, batch(stored(H[:2], 0), stored(H[:2], 1)))
+        await idx.apply("b", batch(removed(H[:1], 0), removed(H[:2], 1)))
+        res = await idx.lookup(H[:2])
+        assert res == {
+            "a": {G0: 0b11, G1: 0b11},
+            "b": {G0: 0b10},
+            "c": {G0: 0b11, G1: 0b11},
+        }
+        for name in ("a", "b", "c"):
+            await idx.apply(name, batch(removed(H[:2], 0), removed(H[:2], 1)))
+        assert await idx.lookup(H[:2]) == {}
+        assert [k async for k in idx.redis.scan_iter(match=f"{idx.prefix}:b:*")] == []
     finally:
         await idx.close()
 
@@ -421,3 +582,20 @@ async def test_instrumented_index_counts_blocks_and_times_calls(index):
     assert sample("kvroute_index_apply_seconds_count") == 1
     assert sample("kvroute_index_lookup_seconds_count") == 1
     assert await idx.instances() == []
+
+
+async def test_instrumented_index_counts_pipelined_batches_one_by_one(index):
+    reg = CollectorRegistry()
+    idx = InstrumentedIndex(index, IndexMetrics(reg))
+    items = [(batch(stored(H[:3])), 0), (batch(removed(H[:1]), removed([H[9]])), 1)]
+    results = await idx.apply_many("a", items)
+    assert [r.applied for r in results] == [True, True]
+    assert (await idx.lookup(H[:3]))["a"] == {G0: 0b110}
+
+    def sample(name: str, **labels: str) -> float:
+        return reg.get_sample_value(name, labels) or 0.0
+
+    assert sample("kvroute_index_block_ops_total", op="stored") == 3
+    assert sample("kvroute_index_block_ops_total", op="removed") == 1
+    assert sample("kvroute_index_block_ops_total", op="unknown_removed") == 1
+    assert sample("kvroute_index_apply_seconds_count") == 2

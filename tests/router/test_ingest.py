@@ -15,6 +15,7 @@ from router_testkit import (
     eventually,
     free_port,
     new_namespace,
+    private_redis,
     removed,
     stored,
 )
@@ -274,6 +275,112 @@ async def test_removing_an_instance_stops_it_even_if_its_source_swallows_a_cance
     await mgr.close()
 
 
+class RecordingIndex(MemoryIndex):
+    """Records each ``apply_many`` call's (seqs, reset) and counts ``cursor`` calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[list[int], bool]] = []
+        self.cursor_calls = 0
+
+    async def apply_many(self, instance, items, *, reset=False):
+        self.calls.append(([seq for _, seq in items], reset))
+        return await super().apply_many(instance, items, reset=reset)
+
+    async def cursor(self, instance):
+        self.cursor_calls += 1
+        return await super().cursor(instance)
+
+
+async def test_queued_batches_are_applied_together_in_order_and_counted_one_by_one():
+    idx, reg = RecordingIndex(), CollectorRegistry()
+    old = [got(i, batch(stored([100 + i]), ts=1.0 + i / 100)) for i in range(30)]
+    new = [got(i, batch(stored([200 + i]), removed([200 + i - 1]), ts=5.0 + i)) for i in range(10)]
+    script = [*old, SourceRestarted(last_seq=29, new_seq=0), *new]
+    mgr = IngestManager(idx, registry=reg, source_factory=Sources(script), cursor_check_s=None)
+    await mgr.add_instance("e1", "tcp://x:1")
+    await eventually(lambda: _async(metric(reg, "kvroute_ingest_restarts_total", instance="e1")))
+    await mgr.wait_for_seq("e1", 9)
+    assert [seq for seqs, _ in idx.calls for seq in seqs] == [*range(30), *range(10)]
+    assert len(idx.calls) < 40  # the backlog went in chunks, not one batch at a time
+    # The reset travels with the new incarnation's first batch, and only with it.
+    assert [(seqs[0], reset) for seqs, reset in idx.calls if reset] == [(0, True)]
+    assert idx.calls[[r for _, r in idx.calls].index(True) - 1][0][-1] == 29
+    assert idx.lookup_sync([129, 208, 209]) == {"e1": {G0: 0b100}}
+    ev = "kvroute_ingest_events_total"
+    assert metric(reg, ev, instance="e1", type="BlockStored", status="applied") == 40
+    assert metric(reg, ev, instance="e1", type="BlockRemoved", status="applied") == 10
+    assert metric(reg, "kvroute_ingest_batches_total", instance="e1", source="live") == 40
+    assert idx.cursor_calls == 0  # no extra round trip per batch
+    await mgr.close()
+
+
+@pytest.mark.parametrize(("drain_batches", "drain_blocks", "largest"), [(4, 10_000, 4), (64, 7, 3)])
+async def test_drained_chunks_are_bounded_by_batches_and_blocks(
+    drain_batches, drain_blocks, largest
+):
+    idx = RecordingIndex()
+    script = [got(i, batch(stored([3 * i, 3 * i + 1, 3 * i + 2]), ts=1.0 + i)) for i in range(24)]
+    mgr = IngestManager(
+        idx,
+        registry=CollectorRegistry(),
+        source_factory=Sources(script),
+        drain_batches=drain_batches,
+        drain_blocks=drain_blocks,
+    )
+    await mgr.add_instance("e1", "tcp://x:1")
+    await mgr.wait_for_seq("e1", 23)
+    sizes = [len(seqs) for seqs, _ in idx.calls]
+    assert max(sizes) == largest
+    assert [seq for seqs, _ in idx.calls for seq in seqs] == list(range(24))
+    assert idx.lookup_sync(list(range(72))) == {"e1": {G0: (1 << 72) - 1}}
+    await mgr.close()
+
+
+async def test_a_batch_that_finds_its_state_gone_forces_a_rebuild_from_replay():
+    """The index lost the instance behind ingest's back (a Redis restarted empty): the
+    next batch reports it (no cursor check needed) and the history comes back."""
+    idx, reg = RecordingIndex(), CollectorRegistry()
+    first = [got(0, batch(stored([1]), ts=1.0)), got(1, batch(stored([2]), ts=1.1))]
+    again = [got(s, batch(stored([s + 1]), ts=1.0 + s / 10), replayed=True) for s in range(3)]
+    sources = Sources(first, again)
+    mgr = IngestManager(idx, registry=reg, source_factory=sources, cursor_check_s=None)
+    await mgr.add_instance("e1", "tcp://x:1", "tcp://x:2")
+    await mgr.wait_for_seq("e1", 1)
+    idx.clear_sync("e1")
+    sources.made[0].items.put_nowait(got(2, batch(stored([3]), ts=1.2)))
+    await eventually(lambda: _async(idx.lookup_sync([1, 2, 3]) == {"e1": {G0: 0b111}}))
+    assert [s.start_seq for s in sources.made] == [None, 0]
+    assert metric(reg, "kvroute_ingest_resyncs_total", instance="e1") == 1
+    ev = "kvroute_ingest_events_total"
+    assert metric(reg, ev, instance="e1", type="BlockStored", status="error") == 1
+    assert idx.cursor_calls == 0
+    await mgr.close()
+
+
+async def test_a_failed_chunk_without_replay_clears_then_applies_the_batches_after_it():
+    idx, reg = FlakyIndex(failures=3), CollectorRegistry()
+    script = [
+        got(0, batch(stored([1]), ts=1.0)),
+        got(1, batch(stored([2]), stored([9], 5000), ts=1.1)),  # group 5000: impossible
+        got(2, batch(stored([7]), ts=float("nan"))),
+        got(3, batch(stored([3]), ts=1.3)),
+    ]
+    sources = Sources(script)
+    mgr = IngestManager(idx, registry=reg, source_factory=sources, retry_delays=(0, 0))
+    await mgr.add_instance("e1", "tcp://x:1")
+    await mgr.wait_for_seq("e1", 3)
+    assert idx.lookup_sync([1, 2, 3, 7, 9]) == {"e1": {G0: 0b110}}
+    ev = "kvroute_ingest_events_total"
+    assert metric(reg, ev, instance="e1", type="BlockStored", status="error") == 1
+    assert metric(reg, ev, instance="e1", type="BlockStored", status="applied") == 2
+    assert metric(reg, ev, instance="e1", type="BlockStored", status="invalid") == 2
+    assert metric(reg, "kvroute_ingest_batches_total", instance="e1", source="live") == 4
+    assert metric(reg, "kvroute_ingest_resyncs_total", instance="e1") == 1
+    assert len(sources.made) == 1
+    await mgr.close()
+
+
 # ---- real sockets: events.publisher -> events.subscriber -> ingest -> index ----------------
 
 
@@ -381,3 +488,35 @@ async def test_two_routers_ingesting_one_source_into_redis_apply_each_batch_once
         await idx_a.clear("e1")
         await idx_a.close()
         await idx_b.close()
+
+
+async def test_redis_restarted_empty_mid_ingest_is_rebuilt_by_the_next_batch(endpoints):
+    """FLUSHALL + SCRIPT FLUSH (a Redis restarted empty) while the engine publishes: the
+    next batch's apply finds no cursor and ingest rebuilds from replay -- without the
+    idle cursor watchdog."""
+    (bind, bind_replay), (conn, conn_replay) = endpoints
+    with private_redis() as server:
+        idx = RedisIndex(server.url, namespace=new_namespace())
+        reg = CollectorRegistry()
+        mgr = IngestManager(idx, registry=reg, cursor_check_s=None)
+        pub = ZmqEventPublisher(endpoint=bind, replay_endpoint=bind_replay)
+        try:
+            for h in range(1, 6):
+                pub.publish(batch(stored([h]), ts=time.time()))
+            await mgr.add_instance("e1", conn, conn_replay, start_seq=0)
+            seq = await catch_up(mgr, "e1", pub, 4)
+            assert (await idx.lookup([1, 2, 3, 4, 5]))["e1"] == {G0: 0b11111}
+            await idx.redis.flushall()
+            await idx.redis.script_flush()
+            pub.publish(batch(stored([6]), ts=time.time()))
+
+            async def rebuilt():
+                return await idx.lookup(list(range(1, 7))) == {"e1": {G0: 0b111111}}
+
+            await eventually(rebuilt)
+            await catch_up(mgr, "e1", pub, seq + 1)
+            assert metric(reg, "kvroute_ingest_resyncs_total", instance="e1") >= 1
+        finally:
+            await mgr.close()
+            pub.shutdown()
+            await idx.close()
