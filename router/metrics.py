@@ -15,8 +15,8 @@ class RouterMetrics:
             ["instance", "outcome"], registry=r,
         )  # fmt: skip
         self.retries = Counter(
-            "kvroute_router_retries", "Forwards retried on the next instance.", ["reason"],
-            registry=r,
+            "kvroute_router_retries", "Forwards retried (next_instance / same_instance).",
+            ["reason"], registry=r,
         )  # fmt: skip
         self.decision_seconds = Histogram(
             "kvroute_router_decision_seconds", "Tokenize + hash + score + choose.", registry=r,

@@ -2,9 +2,12 @@
 
 A forward that fails before the instance sends its first body byte (connect error, read
 error, 5xx, instance gone) is retried on the next instance in the ranking: nothing has
-reached the client yet, so nothing is lost. Once the first byte is in, the response is
-committed and passed through chunk by chunk, unbuffered; if the instance dies mid-stream
-the client gets an SSE error chunk (streams) and the connection ends.
+reached the client yet, so nothing is lost. A connection that dropped without an answer
+(typically a pooled keep-alive connection the engine closed as idle) earns its instance
+one more try once the ranking is exhausted, so a one-engine deployment does not 503 on it.
+Once the first byte is in, the response is committed and passed through chunk by chunk,
+unbuffered; if the instance dies mid-stream the client gets an SSE error chunk (streams)
+and the connection ends.
 
 While passing through, the tail of the body is kept (bounded) to read the engine's
 ``usage.kv_hit`` at the end and compare it with the prediction (exactness metrics).
@@ -16,7 +19,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,6 +36,13 @@ log = logging.getLogger(__name__)
 _HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te"}
 _PASS_BACK = ("content-type", "cache-control")
 _TAIL = 64 * 1024
+# Transport errors that mean "the connection went away before any answer", not "refused".
+_DROPPED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
+class _Failure(NamedTuple):
+    message: str
+    dropped: bool  # the connection dropped before the first byte: worth one more try
 
 
 def error_response(message: str, status: int, err_type: str = "BadRequestError") -> JSONResponse:
@@ -90,6 +100,7 @@ class Forwarder:
         fwd_headers = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
         ranked = decision.decision.ranked[: 1 + self.max_retries]
         last_error = "no instance available"
+        dropped: Instance | None = None
         for attempt, url in enumerate(ranked):
             inst = self.registry.get(url)
             if inst is None or not inst.healthy:
@@ -99,8 +110,16 @@ class Forwarder:
             result = await self._try(inst, path, raw_body, fwd_headers, decision, streaming)
             if isinstance(result, Response):
                 return result
-            last_error = result
-            log.warning("forward to %s failed before first byte: %s", url, result)
+            last_error = result.message
+            if result.dropped and dropped is None:
+                dropped = inst
+            log.warning("forward to %s failed before first byte: %s", url, result.message)
+        if dropped is not None and dropped.healthy:
+            self.metrics.retries.labels("same_instance").inc()
+            result = await self._try(dropped, path, raw_body, fwd_headers, decision, streaming)
+            if isinstance(result, Response):
+                return result
+            last_error = result.message
         return error_response(
             f"no instance could serve the request: {last_error}", 503, "ServiceUnavailableError"
         )
@@ -113,7 +132,7 @@ class Forwarder:
         headers: Mapping[str, str | bytes],
         decision: RouteDecision,
         streaming: bool,
-    ) -> Response | str:
+    ) -> Response | _Failure:
         url = inst.url
         uncached = decision.uncached(url)
         inst.inflight_requests += 1
@@ -130,7 +149,7 @@ class Forwarder:
             if resp.status_code >= 500:
                 self.metrics.requests.labels(url, "upstream_5xx").inc()
                 await self.registry.report(inst, False)
-                return f"{url} answered {resp.status_code}"
+                return _Failure(f"{url} answered {resp.status_code}", False)
             chunks = resp.aiter_raw()
             try:
                 first = await chunks.__anext__()
@@ -147,7 +166,7 @@ class Forwarder:
             # pile its traffic on the others. A dead engine refuses; probes catch the rest.
             if isinstance(exc, httpx.ConnectError):
                 await self.registry.report(inst, False)
-            return f"{type(exc).__name__}: {exc}"
+            return _Failure(f"{type(exc).__name__}: {exc}", isinstance(exc, _DROPPED))
         finally:
             inst.inflight_requests -= 1
             inst.inflight_prefill_tokens -= uncached
