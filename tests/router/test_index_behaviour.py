@@ -566,21 +566,22 @@ async def test_redis_unix_socket_url_and_two_processes_share_one_index(redis_ser
     await plain.aclose()
 
 
+def _block_ops(reg: CollectorRegistry) -> dict[str, float]:
+    return {
+        op: reg.get_sample_value("kvroute_index_block_ops_total", {"op": op}) or 0.0
+        for op in ("stored", "removed", "unknown_removed")
+    }
+
+
 async def test_instrumented_index_counts_blocks_and_times_calls(index):
     reg = CollectorRegistry()
     idx = InstrumentedIndex(index, IndexMetrics(reg))
     await idx.apply("a", batch(stored(H[:3]), removed(H[:1]), removed([H[9]])))
     assert (await idx.lookup(H[:3]))["a"] == {G0: 0b110}
     await idx.clear("a")
-
-    def sample(name: str, **labels: str) -> float:
-        return reg.get_sample_value(name, labels) or 0.0
-
-    assert sample("kvroute_index_block_ops_total", op="stored") == 3
-    assert sample("kvroute_index_block_ops_total", op="removed") == 1
-    assert sample("kvroute_index_block_ops_total", op="unknown_removed") == 1
-    assert sample("kvroute_index_apply_seconds_count") == 1
-    assert sample("kvroute_index_lookup_seconds_count") == 1
+    assert _block_ops(reg) == {"stored": 3, "removed": 1, "unknown_removed": 1}
+    assert reg.get_sample_value("kvroute_index_apply_seconds_count") == 1
+    assert reg.get_sample_value("kvroute_index_lookup_seconds_count") == 1
     assert await idx.instances() == []
 
 
@@ -591,11 +592,5 @@ async def test_instrumented_index_counts_pipelined_batches_one_by_one(index):
     results = await idx.apply_many("a", items)
     assert [r.applied for r in results] == [True, True]
     assert (await idx.lookup(H[:3]))["a"] == {G0: 0b110}
-
-    def sample(name: str, **labels: str) -> float:
-        return reg.get_sample_value(name, labels) or 0.0
-
-    assert sample("kvroute_index_block_ops_total", op="stored") == 3
-    assert sample("kvroute_index_block_ops_total", op="removed") == 1
-    assert sample("kvroute_index_block_ops_total", op="unknown_removed") == 1
-    assert sample("kvroute_index_apply_seconds_count") == 2
+    assert _block_ops(reg) == {"stored": 3, "removed": 1, "unknown_removed": 1}
+    assert reg.get_sample_value("kvroute_index_apply_seconds_count") == 2
