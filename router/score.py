@@ -4,8 +4,9 @@ For each candidate instance the index gives per (group, tier) a bitmask over the
 hash-block positions. The GPU hit is ``events.groups.longest_cache_hit_masks`` over the
 GPU masks with ``max_tokens = num_prompt_tokens - 1`` (vLLM always recomputes the last
 token); the CPU extension is ``events.offload_hit.cpu_extension_masks`` -- vLLM's offloading
-connector rule, which loads whole chunks past the GPU hit. The engine calls the same two
-functions on its real residency, so prediction and reality agree by construction.
+connector rule, which loads whole chunks past the GPU hit. Both are compiled once per
+layout (``HitRule``, ``OffloadRule``). The engine evaluates the same rules on its real
+residency, so prediction and reality agree by construction.
 
 CPU residency is asked only at chunk ends (a chunk is keyed by its last block's hash):
 that is what vLLM's placeholder CPU events name, and self-describing ones include it. The
@@ -99,7 +100,7 @@ class _Plan:
             gpu = [_regroup(m, r, positions) for m, r in zip(gpu, self.ratios, strict=True)]
         gpu_tokens = rule.hit(gpu, num_prompt_tokens - 1) if any(gpu) else 0
         if self.offload is None:
-            return Score(gpu_tokens, 0)
+            return _new(Score, (gpu_tokens, 0))
         # The extension only reads chunks from the one holding the GPU hit end on: with no
         # CPU residency there, it is 0 without evaluating the rule.
         first = gpu_tokens // self.hash_block_size // self.chunk_blocks * self.chunk_blocks
@@ -177,7 +178,6 @@ class Scorer:
         # fed the same traffic) score the same: compute each distinct case once.
         memo: dict[tuple[object, ...], Score] = {}
         layouts = self.layouts.get
-        plans: dict[int, _Plan] = {}
         for name in names:
             res = found.get(name)
             layout = layouts(name) if res else None
@@ -187,9 +187,7 @@ class Scorer:
             key = (id(layout), *res.items())
             score = memo.get(key)
             if score is None:
-                plan = plans.get(id(layout))
-                if plan is None:
-                    plan = plans[id(layout)] = _plan(layout, self.full_only)
+                plan = _plan(layout, self.full_only)
                 score = memo[key] = plan.score(res, n, num_prompt_tokens)
             out[name] = score
         return out
