@@ -10,9 +10,26 @@
 --   P:hb:<instance>    STRING  heartbeat, expires after the instance TTL
 --   P:dead             LIST    retired columns whose bits are still being reclaimed
 --   P:free             ZSET    reclaimed column ids, reused smallest first
---   P:meta             HASH    ncol (column counter), colver (column map version), rcur:<col>
+--   P:meta             HASH    ncol (column counter), colver (column map version), epoch
+--                              (server TIME when the namespace first got a column map),
+--                              rcur:<col>
 --   P:layouts          HASH    instance -> layout JSON
 -- A column is one (instance, slot) pair, slot = group_idx * 2 + tier (0 GPU, 1 CPU).
+
+-- @script common
+-- Prepended to every script below. The column map version routers cache is
+-- "<epoch>:<colver>": a Redis restarted empty (or a flushed namespace) counts colver up
+-- from 0 again and may reach the very number a router cached while allocating columns to
+-- other instances; the epoch makes that version new, so no router keeps crediting one
+-- instance's blocks to another.
+local function bump_colver(P)
+  local meta = P .. ':meta'
+  if redis.call('HEXISTS', meta, 'epoch') == 0 then
+    local t = redis.call('TIME')
+    redis.call('HSET', meta, 'epoch', t[1] .. '.' .. t[2])
+  end
+  redis.call('HINCRBY', meta, 'colver', '1')
+end
 
 -- @script apply
 -- ARGV: P, instance, seq (-1: unconditional), ts, reset (0/1), heartbeat ms, block ttl ms,
@@ -53,7 +70,7 @@ local function retire()
       retired = retired + 1
     end
   end
-  call('HINCRBY', P .. ':meta', 'colver', '1')
+  bump_colver(P)
 end
 
 local cols = {}
@@ -71,7 +88,7 @@ local function column(slot, create)
     end
     call('HSET', ikey, '#' .. slot, c)
     call('HSET', P .. ':col', c, slot .. ':' .. inst)
-    call('HINCRBY', P .. ':meta', 'colver', '1')
+    bump_colver(P)
   end
   cols[slot] = c
   return c
@@ -208,7 +225,8 @@ return {1, stored, removed, unknown, retired, absent}
 -- the row width and concatenated}. Keys are built here and the rows joined here: passing
 -- 512 keys and reading 512 replies costs the client more than the lookup costs Redis.
 local P = ARGV[1]
-local ver = redis.call('HGET', P .. ':meta', 'colver') or '0'
+local mv = redis.call('HMGET', P .. ':meta', 'epoch', 'colver')
+local ver = (mv[1] or '') .. ':' .. (mv[2] or '0')
 local colmap = {}
 if ver ~= ARGV[2] then colmap = redis.call('HGETALL', P .. ':col') end
 local live = {}
@@ -255,7 +273,7 @@ for i = 1, #f, 2 do
 end
 redis.call('DEL', ikey, P .. ':hb:' .. inst)
 redis.call('SREM', P .. ':insts', inst)
-redis.call('HINCRBY', P .. ':meta', 'colver', 1)
+bump_colver(P)
 return n
 
 -- @script reap
@@ -277,7 +295,7 @@ for _, inst in ipairs(redis.call('SMEMBERS', P .. ':insts')) do
     gone[#gone + 1] = inst
   end
 end
-if #gone > 0 then redis.call('HINCRBY', P .. ':meta', 'colver', 1) end
+if #gone > 0 then bump_colver(P) end
 return gone
 
 -- @script reclaim

@@ -59,7 +59,8 @@ def _load_scripts() -> dict[str, str]:
             out[name] = ""
         elif name is not None:
             out[name] += line
-    return out
+    common = out.pop("common", "")
+    return {name: common + body for name, body in out.items()}
 
 
 _LUA = _load_scripts()
@@ -122,8 +123,7 @@ class RedisIndex:
         await self._describe()
         r = await self._scripts["apply"](args=self._apply_args(instance, batch, seq, reset))
         res = _result(r)
-        if res.cleared:
-            self._kick_reclaim()
+        self._after_apply([res])
         return res
 
     async def apply_many(
@@ -167,9 +167,14 @@ class RedisIndex:
             if isinstance(r, Exception):
                 raise r
         out = [_result(r) for r in replies[1:]]
-        if any(r.cleared for r in out):
-            self._kick_reclaim()
+        self._after_apply(out)
         return out
+
+    def _after_apply(self, results: list[ApplyResult]) -> None:
+        if any(r.cleared for r in results):
+            self._kick_reclaim()
+        if any(r.cursor_absent for r in results):
+            self._desc_written = False  # Redis may have restarted empty: describe it again
 
     def _apply_args(
         self, instance: str, batch: KVEventBatch, seq: int | None, reset: bool

@@ -496,6 +496,29 @@ async def test_redis_release_keeps_the_bitmap_of_other_holders(redis_server):
         await idx.close()
 
 
+async def test_redis_emptied_under_a_reader_never_credits_one_instance_with_anothers_blocks(
+    redis_server,
+):
+    """Redis restarted empty: columns are handed out again from 0 and the column map
+    version counts up to the very number a reader cached. The reader must still see the
+    new map (the version carries an epoch), not its cached column -> instance one."""
+    namespace = new_namespace()
+    reader = RedisIndex(redis_server.url, namespace=namespace)
+    writer = RedisIndex(redis_server.url, namespace=namespace)
+    try:
+        await writer.apply("a", batch(stored(H[:1], 0)))  # column 0 = a
+        await writer.apply("b", batch(stored(H[1:2], 0)))  # column 1 = b
+        assert await reader.lookup(H[:2]) == {"a": {G0: 0b01}, "b": {G0: 0b10}}
+        keys = [k async for k in writer.redis.scan_iter(match=f"{writer.prefix}:*")]
+        await writer.redis.delete(*keys)  # what a restart with persistence off leaves
+        await writer.apply("b", batch(stored(H[1:2], 0)))  # column 0 = b now
+        await writer.apply("a", batch(stored(H[:1], 0)))  # column 1 = a
+        assert await reader.lookup(H[:2]) == {"a": {G0: 0b01}, "b": {G0: 0b10}}
+    finally:
+        await reader.close()
+        await writer.close()
+
+
 async def test_redis_clear_reclaims_every_key_of_the_instance(redis_server):
     idx = RedisIndex(redis_server.url, namespace=new_namespace())
     try:
