@@ -32,9 +32,11 @@ async def redis_outage(
     """Two engines, a router on a Redis index, a steady load; Redis is SIGKILLed, stays
     down ``downtime_s`` (shorter than ingest's retry budget, so the feed never gives up on
     its own), and comes back empty. A prompt cached before the outage is never sent again:
-    only a replay from seq 0 can bring its residency back."""
+    only a replay from seq 0 can bring its residency back -- as long as the engine still
+    holds it: the load allocates several hundred blocks a second per engine, and with 4,096
+    blocks the probe was evicted (correctly dropped from the rebuilt index) on a slow run."""
     redis = fleet.redis()
-    engines = start_engines(fleet, 2, *engine_args, "--gpu-blocks", "4096")
+    engines = start_engines(fleet, 2, *engine_args, "--gpu-blocks", "32768")
     router = fleet.router(engines, "--index", f"redis://{LOOPBACK}:{redis.port}/0")
     probe = f"history that only a replay can restore {uuid.uuid4().hex} " * 6
     res: dict[str, Any] = {"fault": "Redis killed, restarted empty", "injected": 1}
