@@ -116,7 +116,9 @@ class ZmqEventPublisher(EventPublisher):
     """PUB + ROUTER-replay publisher with a ring buffer of the last ``buffer_steps`` batches.
 
     ``endpoint`` / ``replay_endpoint`` hold the resolved addresses (DP offset applied; for a
-    bound tcp port 0, the port the OS picked).
+    bound tcp port 0, the port the OS picked). ``bind=None`` follows vLLM's rule
+    (:func:`is_bind_endpoint`); ``bind=True`` binds any endpoint, e.g. a loopback-only
+    ``tcp://127.0.0.1:N`` that vLLM's rule would connect to.
     """
 
     SHUTDOWN_TIMEOUT: float = 1.0
@@ -133,6 +135,7 @@ class ZmqEventPublisher(EventPublisher):
         topic: str = "",
         *,
         form: Literal["map", "array"] = "map",
+        bind: bool | None = None,
         ctx: zmq.Context | None = None,
     ) -> None:
         super().__init__(data_parallel_rank)
@@ -162,7 +165,7 @@ class ZmqEventPublisher(EventPublisher):
         try:
             self._pub.setsockopt(zmq.SNDHWM, hwm)
             self._pub.setsockopt(zmq.RCVHWM, hwm)
-            if is_bind_endpoint(resolved):
+            if is_bind_endpoint(resolved) if bind is None else bind:
                 resolved = _bind(self._pub, resolved)
             else:
                 self._pub.connect(resolved)

@@ -9,11 +9,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.chaos.procs import free_port, wait_http
+from bench.chaos.procs import free_port, ipc_endpoint, wait_http
+from bench.replay.procs import EventForwarder
 
 REPO = Path(__file__).resolve().parent.parent
 KVROUTE = [sys.executable, "-m", "kvroute_cli.main"]
@@ -28,14 +29,11 @@ class EngineProc:
     events_port: int
     replay_port: int
     log: Path
+    events: str  # where subscribers connect for the engine's KV events
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def events(self) -> str:
-        return f"tcp://127.0.0.1:{self.events_port}"
 
     @property
     def replay(self) -> str:
@@ -67,33 +65,45 @@ def start_engine(
     port: int | None = None,
     events_port: int | None = None,
     replay_port: int | None = None,
+    forwarder: EventForwarder | None = None,
     wait: bool = True,
 ) -> EngineProc:
+    """Events go to an ipc socket named by ``events_port`` (restarting with the same one
+    rebinds where subscribers reconnect); with ``forwarder``, for consumers that take
+    tcp:// only, the engine's PUB connects to that loopback relay instead."""
     port = port or free_port()
     events_port = events_port or free_port()
     replay_port = replay_port or free_port()
+    if forwarder is None:
+        endpoint = events = ipc_endpoint(f"ev-{events_port}")
+    else:
+        endpoint = f"tcp://127.0.0.1:{forwarder.in_port}"
+        events = f"tcp://127.0.0.1:{forwarder.out_port}"
     cfg = {
         "enable_kv_cache_events": True,
-        "endpoint": f"tcp://*:{events_port}",
-        "replay_endpoint": f"tcp://*:{replay_port}",
+        "endpoint": endpoint,
+        "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
     }
     log = tmp / f"engine-{port}.log"
     cmd = [*KVROUTE, "engine", "--port", str(port), "--kv-events-config", json.dumps(cfg), *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("wb") as fh:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, env=env)
-    eng = EngineProc(proc, port, events_port, replay_port, log)
+    eng = EngineProc(proc, port, events_port, replay_port, log, events)
     if wait:
         _wait_up(eng, "engine")
     return eng
 
 
 @contextlib.contextmanager
-def engines(tmp: Path, count: int, *args: str) -> Iterator[list[EngineProc]]:
+def engines(
+    tmp: Path, count: int, *args: str, forwarders: Sequence[EventForwarder] | None = None
+) -> Iterator[list[EngineProc]]:
     procs: list[EngineProc] = []
     try:
-        for _ in range(count):
-            procs.append(start_engine(tmp, *args, wait=False))
+        for i in range(count):
+            fwd = forwarders[i] if forwarders else None
+            procs.append(start_engine(tmp, *args, forwarder=fwd, wait=False))
         for e in procs:
             wait_http(f"{e.url}/health", proc=e.proc)
         yield procs

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -36,6 +38,21 @@ def free_port() -> int:
             _handed_out.add(port)
             return port
     raise RuntimeError("no free port")
+
+
+@functools.cache
+def _socket_dir() -> Path:
+    d = Path(tempfile.mkdtemp(prefix="kvr-"))  # short: ipc paths hold 107 bytes at most
+    atexit.register(shutil.rmtree, d, True)
+    return d
+
+
+def ipc_endpoint(name: str) -> str:
+    """A ZMQ endpoint a vLLM-style PUB binds (vLLM binds ``ipc://``, connects to a loopback
+    ``tcp://`` address) yet no other machine can reach: engines started by tests, demos and
+    benchmarks publish events here instead of on ``tcp://*``. Same name, same path, so an
+    engine restarted with it rebinds where its subscribers reconnect."""
+    return f"ipc://{_socket_dir() / name}"
 
 
 def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
@@ -145,15 +162,13 @@ class Fleet:
     def __init__(self, workdir: Path | None = None) -> None:
         self._own_dir = workdir is None
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="kvroute-chaos-"))
-        self.sockets = Path(tempfile.mkdtemp(prefix="kvr-"))  # ipc paths: 107 bytes at most
         self.procs: list[Proc] = []
 
     def engine(self, *args: str, wait: bool = True, name: str | None = None) -> Proc:
         port, replay_port = free_port(), free_port()
-        sock = self.sockets / f"ev-{port}"
         cfg = {
             "enable_kv_cache_events": True,
-            "endpoint": f"ipc://{sock}",
+            "endpoint": ipc_endpoint(f"ev-{port}"),
             "replay_endpoint": f"tcp://{LOOPBACK}:{replay_port}",
         }
         cmd = [*KVROUTE, "--log-level", "WARNING", "engine", "--port", str(port)]
@@ -192,7 +207,6 @@ class Fleet:
     def close(self) -> None:
         for p in reversed(self.procs):
             p.stop()
-        shutil.rmtree(self.sockets, ignore_errors=True)
         if self._own_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
 

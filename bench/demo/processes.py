@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.chaos.procs import ipc_endpoint
 from bench.demo.config import LAYOUTS, MODEL, DemoConfig, DemoError
 
 logger = logging.getLogger("bench.demo")
@@ -164,13 +165,9 @@ def _wait_redis(port: int, child: _Child, deadline: float, log_dir: Path) -> Non
     raise DemoError("redis-server did not answer PING in time", log_dir)
 
 
-def _kv_events_config(events_port: int, replay_port: int) -> str:
+def _kv_events_config(events: str, replay: str) -> str:
     return json.dumps(
-        {
-            "enable_kv_cache_events": True,
-            "endpoint": f"tcp://*:{events_port}",
-            "replay_endpoint": f"tcp://*:{replay_port}",
-        }
+        {"enable_kv_cache_events": True, "endpoint": events, "replay_endpoint": replay}
     )
 
 
@@ -206,16 +203,18 @@ def start_round(
     engines: list[_Engine] = []
     engine_children: list[tuple[_Child, _Engine]] = []
     for i in range(cfg.engines):
-        port, ev, rp = ports.take(), ports.take(), ports.take()
+        port, rp = ports.take(), ports.take()
+        # Events on an ipc socket: vLLM's PUB binds ipc:// but would connect to loopback tcp.
+        e = _Engine(f"http://127.0.0.1:{port}", ipc_endpoint(f"ev-{port}"), f"tcp://127.0.0.1:{rp}")
         cmd = [*KVROUTE, "--log-level", "WARNING", "engine", "--host", "127.0.0.1"]
         cmd += ["--port", str(port), "--profile", cfg.profile, "--name", f"127.0.0.1:{port}"]
         cmd += ["--gpu-blocks", str(cfg.gpu_blocks), "--cpu-blocks", str(cfg.cpu_blocks)]
         cmd += ["--block-size", str(cfg.block_size), "--time-scale", str(cfg.time_scale)]
         cmd += ["--prefix-caching-hash-algo", cfg.hash_algo, "--model", MODEL]
-        cmd += ["--kv-events-config", _kv_events_config(ev, rp), "--log-level", "warning"]
-        e = _Engine(f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}")
+        cmd += ["--kv-events-config", _kv_events_config(e.events, e.replay)]
+        cmd += ["--log-level", "warning"]
         engine_children.append((dep.start(f"engine-{i}-{policy}", cmd), e))
-        dep.ports += [port, ev, rp]
+        dep.ports += [port, rp]
         engines.append(e)
 
     rport = ports.take()

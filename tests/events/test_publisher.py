@@ -35,7 +35,10 @@ from events.structs import KVEventBatch
 def pub_sub(ports):
     port, rport = ports
     pub = ZmqEventPublisher(
-        endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}", buffer_steps=100
+        endpoint=f"tcp://127.0.0.1:{port}",
+        bind=True,
+        replay_endpoint=f"tcp://127.0.0.1:{rport}",
+        buffer_steps=100,
     )
     sub = connect_sub(f"tcp://127.0.0.1:{port}")
     yield pub, sub, f"tcp://127.0.0.1:{rport}"
@@ -65,7 +68,10 @@ def test_ten_batches_get_consecutive_seqs_in_order(pub_sub):
 def test_replay_from_seq_10_returns_10_to_18_with_topic_and_end_marker(ports):
     port, rport = ports
     with ZmqEventPublisher(
-        endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}", topic="test"
+        endpoint=f"tcp://127.0.0.1:{port}",
+        bind=True,
+        replay_endpoint=f"tcp://127.0.0.1:{rport}",
+        topic="test",
     ) as pub:
         for i in range(19):
             pub.publish(make_batch(i))
@@ -130,8 +136,8 @@ def test_topic_filtering_delivers_only_matching_topic(ports):
     port, _ = ports
     port2 = free_port()
     with (
-        ZmqEventPublisher(endpoint=f"tcp://*:{port}", topic="foo") as foo,
-        ZmqEventPublisher(endpoint=f"tcp://*:{port2}", topic="bar") as bar,
+        ZmqEventPublisher(endpoint=f"tcp://127.0.0.1:{port}", bind=True, topic="foo") as foo,
+        ZmqEventPublisher(endpoint=f"tcp://127.0.0.1:{port2}", bind=True, topic="bar") as bar,
     ):
         sub = connect_sub(f"tcp://127.0.0.1:{port}", topic="foo")
         sub.connect(f"tcp://127.0.0.1:{port2}")
@@ -147,10 +153,13 @@ def test_topic_filtering_delivers_only_matching_topic(ports):
 def test_dp_rank_1_offsets_both_tcp_ports_and_tags_batches(ports):
     port, rport = ports
     with ZmqEventPublisher(
-        data_parallel_rank=1, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}"
+        data_parallel_rank=1,
+        endpoint=f"tcp://127.0.0.1:{port}",
+        bind=True,
+        replay_endpoint=f"tcp://127.0.0.1:{rport}",
     ) as pub:
-        assert pub.endpoint == f"tcp://*:{port + 1}"
-        assert pub.replay_endpoint == f"tcp://*:{rport + 1}"
+        assert pub.endpoint == f"tcp://127.0.0.1:{port + 1}"
+        assert pub.replay_endpoint == f"tcp://127.0.0.1:{rport + 1}"
         sub = connect_sub(f"tcp://127.0.0.1:{port + 1}")
         pub.publish(make_batch(0))
         assert decode_batch(recv(sub)[2]).data_parallel_rank == 1
@@ -216,7 +225,7 @@ def test_connect_mode_publisher_reaches_a_binding_subscriber(ports):
 def test_array_form_payload_is_legacy_positional_and_decodes(pub_sub):
     _, sub, _ = pub_sub
     port = free_port()
-    with ZmqEventPublisher(endpoint=f"tcp://*:{port}", form="array") as pub:
+    with ZmqEventPublisher(endpoint=f"tcp://127.0.0.1:{port}", bind=True, form="array") as pub:
         sub.connect(f"tcp://127.0.0.1:{port}")
         time.sleep(0.3)
         pub.publish(make_batch(4))
@@ -252,7 +261,7 @@ def test_unencodable_batch_is_dropped_without_a_hole_in_the_sequence(pub_sub, ca
 
 
 def test_publish_after_shutdown_raises(ports):
-    pub = ZmqEventPublisher(endpoint=f"tcp://*:{ports[0]}")
+    pub = ZmqEventPublisher(endpoint=f"tcp://127.0.0.1:{ports[0]}", bind=True)
     pub.shutdown()
     pub.shutdown()  # idempotent
     with pytest.raises(RuntimeError):
@@ -297,18 +306,18 @@ def test_factory_returns_null_when_disabled_or_null():
 def test_factory_builds_zmq_with_dp_offsets_and_leaves_config_untouched(ports):
     port, rport = ports
     cfg = KVEventsConfig.from_json(
-        f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{port}",'
-        f' "replay_endpoint": "tcp://*:{rport}", "topic": "kv"}}'
+        f'{{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:{port}",'
+        f' "replay_endpoint": "tcp://127.0.0.1:{rport}", "topic": "kv"}}'
     )
     assert cfg.publisher == "zmq"  # omitted + enabled -> zmq, as vLLM
     pub = create_publisher(cfg, data_parallel_rank=1)
     try:
         assert isinstance(pub, ZmqEventPublisher)
         resolved = pub.get_publisher_config()
-        assert resolved.endpoint == f"tcp://*:{port + 1}"
-        assert resolved.replay_endpoint == f"tcp://*:{rport + 1}"
+        assert resolved.endpoint == f"tcp://127.0.0.1:{port + 1}"
+        assert resolved.replay_endpoint == f"tcp://127.0.0.1:{rport + 1}"
         assert resolved.topic == "kv"
-        assert cfg.endpoint == f"tcp://*:{port}"
+        assert cfg.endpoint == f"tcp://127.0.0.1:{port}"
     finally:
         pub.shutdown()
 

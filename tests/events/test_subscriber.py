@@ -229,7 +229,10 @@ async def test_malformed_frames_are_counted_and_skipped(raw):
 async def test_start_seq_resumes_from_replay_then_follows_live_without_duplicates(ports):
     port, rport = ports
     with ZmqEventPublisher(
-        endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}", buffer_steps=100
+        endpoint=f"tcp://127.0.0.1:{port}",
+        bind=True,
+        replay_endpoint=f"tcp://127.0.0.1:{rport}",
+        buffer_steps=100,
     ) as pub:
         for i in range(20):
             pub.publish(make_batch(i))
@@ -286,7 +289,11 @@ async def test_start_seq_without_replay_reports_the_unrecoverable_prefix(ports):
 
 async def test_publisher_restart_on_same_port_yields_source_restarted_before_new_batches(ports):
     port, rport = ports
-    kwargs = {"endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{rport}"}
+    kwargs = {
+        "endpoint": f"tcp://127.0.0.1:{port}",
+        "bind": True,
+        "replay_endpoint": f"tcp://127.0.0.1:{rport}",
+    }
 
     async def publish_until(pub, sub, want):
         items, n = [], 0
@@ -359,7 +366,10 @@ async def test_high_volume_stream_arrives_complete_and_in_order(ports):
     port, rport = ports
     n = 3000
     with ZmqEventPublisher(
-        endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}", buffer_steps=n
+        endpoint=f"tcp://127.0.0.1:{port}",
+        bind=True,
+        replay_endpoint=f"tcp://127.0.0.1:{rport}",
+        buffer_steps=n,
     ) as pub:
         async with ZmqEventSubscriber(
             f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}", start_seq=0
@@ -373,7 +383,9 @@ async def test_high_volume_stream_arrives_complete_and_in_order(ports):
 
 
 async def test_publisher_on_os_chosen_port_reports_the_bound_endpoint():
-    with ZmqEventPublisher(endpoint="tcp://*:0", replay_endpoint="tcp://*:0") as pub:
+    with ZmqEventPublisher(
+        endpoint="tcp://127.0.0.1:0", bind=True, replay_endpoint="tcp://127.0.0.1:0"
+    ) as pub:
         port = int(pub.endpoint.rsplit(":", 1)[1])
         rport = int(pub.replay_endpoint.rsplit(":", 1)[1])
         assert port > 0 and rport > 0 and port != rport

@@ -45,7 +45,9 @@ def lines_of(proc: subprocess.Popen) -> list[dict]:
 
 def test_tail_prints_one_json_line_per_event_replayed_from_seq_0(ports):
     port, rport = ports
-    with ZmqEventPublisher(endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}") as pub:
+    with ZmqEventPublisher(
+        endpoint=f"tcp://127.0.0.1:{port}", bind=True, replay_endpoint=f"tcp://127.0.0.1:{rport}"
+    ) as pub:
         pub.publish(make_batch(0))
         pub.publish(make_batch(1))
         proc = tail(
@@ -79,7 +81,7 @@ def test_tail_prints_one_json_line_per_event_replayed_from_seq_0(ports):
 
 def test_tail_follows_the_live_stream_and_stops_after_count(ports):
     port, _ = ports
-    with ZmqEventPublisher(endpoint=f"tcp://*:{port}") as pub:
+    with ZmqEventPublisher(endpoint=f"tcp://127.0.0.1:{port}", bind=True) as pub:
         proc = tail(f"tcp://127.0.0.1:{port}", "--count", "4", "--timeout", "15")
         publish_until_exit(proc, pub)
         lines = lines_of(proc)
@@ -93,7 +95,7 @@ def test_tail_follows_the_live_stream_and_stops_after_count(ports):
 
 def test_tail_reports_the_missed_prefix_and_prints_bytes_hashes_as_hex(ports):
     port, _ = ports
-    with ZmqEventPublisher(endpoint=f"tcp://*:{port}") as pub:
+    with ZmqEventPublisher(endpoint=f"tcp://127.0.0.1:{port}", bind=True) as pub:
         for i in range(3):
             pub.publish(make_batch(i))
         time.sleep(0.1)

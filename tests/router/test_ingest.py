@@ -387,15 +387,14 @@ async def test_a_failed_chunk_without_replay_clears_then_applies_the_batches_aft
 @pytest.fixture
 def endpoints():
     pub, rep = free_port(), free_port()
-    return (
-        (f"tcp://*:{pub}", f"tcp://*:{rep}"),
-        (f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}"),
-    )
+    # The publisher binds loopback explicitly (vLLM's rule would connect) and the
+    # subscriber connects to the same addresses.
+    return f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}"
 
 
 async def test_real_publisher_subscriber_path_feeds_the_index(index, endpoints):
-    (bind, bind_replay), (conn, conn_replay) = endpoints
-    pub = ZmqEventPublisher(endpoint=bind, replay_endpoint=bind_replay, buffer_steps=100)
+    bind, bind_replay = conn, conn_replay = endpoints
+    pub = ZmqEventPublisher(endpoint=bind, bind=True, replay_endpoint=bind_replay, buffer_steps=100)
     mgr = IngestManager(index, registry=CollectorRegistry())
     try:
         pub.publish(batch(stored([1, 2, 3], 0), stored([2, 3], 1), ts=time.time()))
@@ -416,17 +415,17 @@ async def rebind(bind: str, bind_replay: str) -> ZmqEventPublisher:
     """A new publisher on the same ports once the old one's sockets have let go."""
     for _ in range(50):
         try:
-            return ZmqEventPublisher(endpoint=bind, replay_endpoint=bind_replay)
+            return ZmqEventPublisher(endpoint=bind, bind=True, replay_endpoint=bind_replay)
         except zmq.ZMQError:
             await asyncio.sleep(0.1)
     raise AssertionError("ports never became free")
 
 
 async def test_real_publisher_restart_drops_the_old_incarnation(index, endpoints):
-    (bind, bind_replay), (conn, conn_replay) = endpoints
+    bind, bind_replay = conn, conn_replay = endpoints
     reg = CollectorRegistry()
     mgr = IngestManager(index, registry=reg)
-    old = ZmqEventPublisher(endpoint=bind, replay_endpoint=bind_replay)
+    old = ZmqEventPublisher(endpoint=bind, bind=True, replay_endpoint=bind_replay)
     try:
         for i in range(10):
             old.publish(batch(stored([100 + i]), ts=time.time()))
@@ -456,12 +455,12 @@ async def test_real_publisher_restart_drops_the_old_incarnation(index, endpoints
 async def test_two_routers_ingesting_one_source_into_redis_apply_each_batch_once(
     redis_server, endpoints
 ):
-    (bind, bind_replay), (conn, conn_replay) = endpoints
+    bind, bind_replay = conn, conn_replay = endpoints
     ns = new_namespace()
     idx_a, idx_b = (RedisIndex(redis_server.url, namespace=ns) for _ in range(2))
     reg_a, reg_b = CollectorRegistry(), CollectorRegistry()
     a, b = IngestManager(idx_a, registry=reg_a), IngestManager(idx_b, registry=reg_b)
-    pub = ZmqEventPublisher(endpoint=bind, replay_endpoint=bind_replay)
+    pub = ZmqEventPublisher(endpoint=bind, bind=True, replay_endpoint=bind_replay)
     try:
         for i in range(6):  # the same block stored three times, removed twice
             ev = stored([42]) if i % 2 == 0 else removed([42]) if i < 5 else stored([43])
@@ -494,12 +493,12 @@ async def test_redis_restarted_empty_mid_ingest_is_rebuilt_by_the_next_batch(end
     """FLUSHALL + SCRIPT FLUSH (a Redis restarted empty) while the engine publishes: the
     next batch's apply finds no cursor and ingest rebuilds from replay -- without the
     idle cursor watchdog."""
-    (bind, bind_replay), (conn, conn_replay) = endpoints
+    bind, bind_replay = conn, conn_replay = endpoints
     with private_redis() as server:
         idx = RedisIndex(server.url, namespace=new_namespace())
         reg = CollectorRegistry()
         mgr = IngestManager(idx, registry=reg, cursor_check_s=None)
-        pub = ZmqEventPublisher(endpoint=bind, replay_endpoint=bind_replay)
+        pub = ZmqEventPublisher(endpoint=bind, bind=True, replay_endpoint=bind_replay)
         try:
             for h in range(1, 6):
                 pub.publish(batch(stored([h]), ts=time.time()))

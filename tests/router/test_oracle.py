@@ -113,7 +113,10 @@ async def test_scorer_predicts_the_engine_hit_for_every_request(index, profile):
             )
             kv = KVCacheManager(prof, 72, offload=offload, device="cpu")
             pub = ZmqEventPublisher(
-                endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}", buffer_steps=1000
+                endpoint=f"tcp://127.0.0.1:{port}",
+                bind=True,
+                replay_endpoint=f"tcp://127.0.0.1:{rport}",
+                buffer_steps=1000,
             )
             e = Engine(f"e{i}", kv, pub)
             engines.append(e)

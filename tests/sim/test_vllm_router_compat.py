@@ -11,7 +11,10 @@ import time
 from pathlib import Path
 
 import httpx
+import zmq
 from kvtest import engines, free_port
+
+from bench.replay.procs import EventForwarder
 
 VLLM_ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
 DECISION = re.compile(r"KV prefix decision .*?credited_prefix_tokens=(\d+)")
@@ -19,7 +22,20 @@ DECISION = re.compile(r"KV prefix decision .*?credited_prefix_tokens=(\d+)")
 
 def test_vllm_router_kv_aware_routes_and_credits_our_events(tmp_path):
     assert Path(VLLM_ROUTER).exists(), "vllm-router is a dev dependency; pip install -e '.[dev]'"
-    with engines(tmp_path, 2, "--profile", "full", "--time-scale", "50") as (a, b):
+    # vllm-router reads tcp:// sources only: the engines publish through loopback relays.
+    ctx = zmq.Context()
+    relays = [EventForwarder(ctx) for _ in range(2)]
+    try:
+        _route_and_credit(tmp_path, relays)
+    finally:
+        for r in relays:
+            r.close()
+        ctx.term()
+
+
+def _route_and_credit(tmp_path: Path, relays: list[EventForwarder]) -> None:
+    args = ("--profile", "full", "--time-scale", "50")
+    with engines(tmp_path, 2, *args, forwarders=relays) as (a, b):
         port = free_port()
         cmd = [VLLM_ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", "kv_aware"]
         cmd += ["--worker-urls", a.url, b.url, "--kv-event-model", "kvroute-sim"]
