@@ -25,9 +25,14 @@ free port with persistence off, killed afterwards):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import platform
 import random
+import shutil
 import statistics
+import subprocess
 import time
 import tracemalloc
 from pathlib import Path
@@ -209,7 +214,8 @@ def _print(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title="kvroute bench index")
+    runs = len(report.get("runs", ())) or 1
+    t = Table(title=f"kvroute bench index (median of {runs} run{'s' * (runs > 1)})")
     for col in ("metric", "value", "target"):
         t.add_column(col)
     t.add_row(
@@ -240,6 +246,39 @@ def _print(report: dict[str, Any]) -> None:
     Console().print(t)
 
 
+def median_report(reports: list[Any]) -> Any:
+    """Leaf-wise median of same-shaped reports (numbers; anything else from the first)."""
+    first = reports[0]
+    if isinstance(first, dict):
+        return {k: median_report([r[k] for r in reports]) for k in first}
+    if isinstance(first, int | float) and not isinstance(first, bool):
+        return statistics.median(reports)
+    return first
+
+
+def _machine() -> dict[str, Any]:
+    """What the figures were measured on: they only compare within one machine."""
+    redis_server = shutil.which("redis-server")
+    version = ""
+    if redis_server:
+        with contextlib.suppress(Exception):
+            version = subprocess.run(
+                [redis_server, "--version"], capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu": model or platform.processor(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "redis_server": version,
+    }
+
+
 def run(
     out: Path,
     *,
@@ -250,12 +289,23 @@ def run(
     noise_blocks: int = 20_000,
     redis: bool = True,
     seed: int = 0,
+    runs: int = 3,
 ) -> dict[str, Any]:
-    """Run the index benchmarks, print a table, write ``out/index.json``; return the report."""
-    report = asyncio.run(
-        _bench(ingest_events, redis_events, memory_entries, repeats, noise_blocks, redis, seed)
-    )
+    """Run the index benchmarks ``runs`` times, print the medians, write ``out/index.json``
+    (medians at the top level, each run under ``runs``); return the report."""
+    if runs < 1:
+        raise ValueError("runs must be >= 1")
+    each = [
+        asyncio.run(
+            _bench(ingest_events, redis_events, memory_entries, repeats, noise_blocks, redis, seed)
+        )
+        for _ in range(runs)
+    ]
+    report = median_report(each)
+    report["runs"] = each
+    report["machine"] = _machine()
     report["params"] = {
+        "runs": runs,
         "ingest_events": ingest_events,
         "redis_events": redis_events,
         "memory_entries": memory_entries,

@@ -67,6 +67,7 @@ def bench_index(
     repeats: int = typer.Option(1000, help="Score calls timed per backend."),
     redis: bool = typer.Option(True, help="Also benchmark Redis (private redis-server)."),
     seed: int = typer.Option(0),
+    runs: int = typer.Option(3, min=1, help="Whole runs; every figure is their median."),
 ) -> None:
     """Index ingest rate, score latency (512 blocks x 32 instances) and bytes per entry."""
     from bench.index import run
@@ -79,6 +80,7 @@ def bench_index(
         repeats=repeats,
         redis=redis,
         seed=seed,
+        runs=runs,
     )
 
 

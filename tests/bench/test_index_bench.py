@@ -4,7 +4,9 @@ as the in-memory index (``_redis_ingest`` raises otherwise)."""
 
 from __future__ import annotations
 
-from bench.index import _print, ingest_workload
+import json
+
+from bench.index import _print, ingest_workload, median_report, run
 from bench.index_redis import private_redis, redis_ingest
 
 
@@ -21,3 +23,25 @@ async def test_redis_ingest_figures_cover_every_path_and_agree_with_the_memory_i
     _print({"ingest_memory_per_s": 1.0, "memory_bytes_per_entry": 1.0, **report})
     out = capsys.readouterr().out
     assert "apply_many" in out and "IngestManager" in out
+
+
+def test_median_report_takes_each_numeric_leaf_median_and_keeps_the_rest():
+    runs = [
+        {"rate": 3.0, "lat": {"p50_ms": 0.2}, "ok": True, "name": "a"},
+        {"rate": 1.0, "lat": {"p50_ms": 0.4}, "ok": False, "name": "b"},
+        {"rate": 2.0, "lat": {"p50_ms": 0.3}, "ok": False, "name": "c"},
+    ]
+    assert median_report(runs) == {"rate": 2.0, "lat": {"p50_ms": 0.3}, "ok": True, "name": "a"}
+
+
+def test_bench_index_reports_the_median_of_its_runs_and_the_machine(tmp_path, capsys):
+    report = run(
+        tmp_path, ingest_events=3000, memory_entries=2000, repeats=5, noise_blocks=50,
+        redis=False, runs=3,
+    )  # fmt: skip
+    written = json.loads((tmp_path / "index.json").read_text())
+    assert len(written["runs"]) == 3 and written["params"]["runs"] == 3
+    rates = sorted(r["ingest_memory_per_s"] for r in written["runs"])
+    assert written["ingest_memory_per_s"] == rates[1] == report["ingest_memory_per_s"]
+    assert written["machine"]["cpus"] >= 1
+    assert "median of 3 runs" in capsys.readouterr().out
