@@ -13,7 +13,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from bench.index import PIPELINE_BATCHES, ingest_workload, stored_event
@@ -125,13 +124,13 @@ async def _manager_ingest(
     (``events``, ``seed``)."""
     from prometheus_client import CollectorRegistry
 
-    from bench.chaos.procs import free_port
+    from bench.chaos.procs import free_port, ipc_endpoint
     from router.index.redis_index import RedisIndex, namespace_for
     from router.ingest import IngestManager
 
     n = sum(len(e.block_hashes) for b in batches for e in b.events)
-    tmp = Path(tempfile.mkdtemp(prefix="kvroute-bench-pub-"))
-    endpoint, replay = f"ipc://{tmp}/events", f"tcp://127.0.0.1:{free_port()}"
+    port = free_port()
+    endpoint, replay = ipc_endpoint(f"bench-events-{port}"), f"tcp://127.0.0.1:{port}"
     code = "import sys; from bench.index_redis import publisher_main; publisher_main(*sys.argv[1:])"
     cmd = [sys.executable, "-c", code, endpoint, replay, str(events), str(seed)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -173,4 +172,3 @@ async def _manager_ingest(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        shutil.rmtree(tmp, ignore_errors=True)
