@@ -393,14 +393,14 @@ def endpoints():
 
 
 async def test_real_publisher_subscriber_path_feeds_the_index(index, endpoints):
-    bind, bind_replay = conn, conn_replay = endpoints
-    pub = ZmqEventPublisher(endpoint=bind, bind=True, replay_endpoint=bind_replay, buffer_steps=100)
+    events, replay = endpoints
+    pub = ZmqEventPublisher(endpoint=events, bind=True, replay_endpoint=replay, buffer_steps=100)
     mgr = IngestManager(index, registry=CollectorRegistry())
     try:
         pub.publish(batch(stored([1, 2, 3], 0), stored([2, 3], 1), ts=time.time()))
         pub.publish(batch(stored([3], 0, "CPU", block_size=0), ts=time.time()))
         # start_seq=0: what was published before we subscribed comes from replay.
-        await mgr.add_instance("e1", conn, conn_replay, start_seq=0)
+        await mgr.add_instance("e1", events, replay, start_seq=0)
         await catch_up(mgr, "e1", pub, 1)
         pub.publish(batch(removed([2], 1), ts=time.time()))
         await catch_up(mgr, "e1", pub, 2)
@@ -411,30 +411,30 @@ async def test_real_publisher_subscriber_path_feeds_the_index(index, endpoints):
         pub.shutdown()
 
 
-async def rebind(bind: str, bind_replay: str) -> ZmqEventPublisher:
+async def rebind(events: str, replay: str) -> ZmqEventPublisher:
     """A new publisher on the same ports once the old one's sockets have let go."""
     for _ in range(50):
         try:
-            return ZmqEventPublisher(endpoint=bind, bind=True, replay_endpoint=bind_replay)
+            return ZmqEventPublisher(endpoint=events, bind=True, replay_endpoint=replay)
         except zmq.ZMQError:
             await asyncio.sleep(0.1)
     raise AssertionError("ports never became free")
 
 
 async def test_real_publisher_restart_drops_the_old_incarnation(index, endpoints):
-    bind, bind_replay = conn, conn_replay = endpoints
+    events, replay = endpoints
     reg = CollectorRegistry()
     mgr = IngestManager(index, registry=reg)
-    old = ZmqEventPublisher(endpoint=bind, bind=True, replay_endpoint=bind_replay)
+    old = ZmqEventPublisher(endpoint=events, bind=True, replay_endpoint=replay)
     try:
         for i in range(10):
             old.publish(batch(stored([100 + i]), ts=time.time()))
-        await mgr.add_instance("e1", conn, conn_replay, start_seq=0)
+        await mgr.add_instance("e1", events, replay, start_seq=0)
         await catch_up(mgr, "e1", old, 9)
         assert len(await index.lookup(list(range(100, 110)))) == 1
     finally:
         old.shutdown()
-    new = await rebind(bind, bind_replay)
+    new = await rebind(events, replay)
     try:
         new.publish(batch(stored([7]), ts=time.time()))
 
@@ -455,18 +455,18 @@ async def test_real_publisher_restart_drops_the_old_incarnation(index, endpoints
 async def test_two_routers_ingesting_one_source_into_redis_apply_each_batch_once(
     redis_server, endpoints
 ):
-    bind, bind_replay = conn, conn_replay = endpoints
+    events, replay = endpoints
     ns = new_namespace()
     idx_a, idx_b = (RedisIndex(redis_server.url, namespace=ns) for _ in range(2))
     reg_a, reg_b = CollectorRegistry(), CollectorRegistry()
     a, b = IngestManager(idx_a, registry=reg_a), IngestManager(idx_b, registry=reg_b)
-    pub = ZmqEventPublisher(endpoint=bind, bind=True, replay_endpoint=bind_replay)
+    pub = ZmqEventPublisher(endpoint=events, bind=True, replay_endpoint=replay)
     try:
         for i in range(6):  # the same block stored three times, removed twice
             ev = stored([42]) if i % 2 == 0 else removed([42]) if i < 5 else stored([43])
             pub.publish(batch(ev, ts=time.time()))
-        await a.add_instance("e1", conn, conn_replay, start_seq=0)
-        await b.add_instance("e1", conn, conn_replay, start_seq=0)
+        await a.add_instance("e1", events, replay, start_seq=0)
+        await b.add_instance("e1", events, replay, start_seq=0)
         last = await catch_up(a, "e1", pub, 5)
         await catch_up(b, "e1", pub, last)
         assert (await idx_b.lookup([42, 43]))["e1"] == {G0: 0b11}  # refcount 3 - 2 = 1
@@ -493,16 +493,16 @@ async def test_redis_restarted_empty_mid_ingest_is_rebuilt_by_the_next_batch(end
     """FLUSHALL + SCRIPT FLUSH (a Redis restarted empty) while the engine publishes: the
     next batch's apply finds no cursor and ingest rebuilds from replay -- without the
     idle cursor watchdog."""
-    bind, bind_replay = conn, conn_replay = endpoints
+    events, replay = endpoints
     with private_redis() as server:
         idx = RedisIndex(server.url, namespace=new_namespace())
         reg = CollectorRegistry()
         mgr = IngestManager(idx, registry=reg, cursor_check_s=None)
-        pub = ZmqEventPublisher(endpoint=bind, bind=True, replay_endpoint=bind_replay)
+        pub = ZmqEventPublisher(endpoint=events, bind=True, replay_endpoint=replay)
         try:
             for h in range(1, 6):
                 pub.publish(batch(stored([h]), ts=time.time()))
-            await mgr.add_instance("e1", conn, conn_replay, start_seq=0)
+            await mgr.add_instance("e1", events, replay, start_seq=0)
             seq = await catch_up(mgr, "e1", pub, 4)
             assert (await idx.lookup([1, 2, 3, 4, 5]))["e1"] == {G0: 0b11111}
             await idx.redis.flushall()
