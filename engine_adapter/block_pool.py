@@ -58,12 +58,18 @@ class BlockPool:
         *,
         medium: str = MEDIUM_GPU,
         enable_events: bool = True,
+        null_block: bool = True,
     ) -> None:
-        if num_blocks <= 0:
-            raise ValueError("a block pool needs at least one block")
+        if num_blocks <= int(null_block):
+            raise ValueError("a block pool needs at least one usable block")
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        # Block 0 is vLLM's null block: it stands for table positions a group does not
+        # need and never enters the free queue, so ``num_blocks - 1`` are usable.
+        self.null_block = self.blocks[0] if null_block else None
+        usable = self.blocks[1:] if null_block else self.blocks
+        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in usable)
+        self.num_usable = len(usable)
         self._cached: dict[CacheKey, KVBlock | dict[int, KVBlock]] = {}
         self.events: list[KVCacheEvent] = events if events is not None else []
         self.medium = medium
@@ -79,7 +85,12 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - len(self._free) / self.num_usable
+
+    def emit(self, event: KVCacheEvent) -> None:
+        """Queue an event of this pool's (drained once per engine step)."""
+        if self.enable_events:
+            self.events.append(event)
 
     def get_cached(self, key: CacheKey) -> KVBlock | None:
         """Any physical block caching ``key`` (the first one if duplicated)."""
@@ -169,7 +180,7 @@ class BlockPool:
 
     def reset(self, *, emit: bool = True) -> bool:
         """Forget every cached key if no block is in use; emits ``AllBlocksCleared``."""
-        in_use = self.num_blocks - len(self._free)
+        in_use = self.num_usable - len(self._free)
         if in_use:
             logger.warning("cannot reset the prefix cache: %d blocks still in use", in_use)
             return False
@@ -183,6 +194,9 @@ class BlockPool:
     def check_invariants(self, held: Sequence[KVBlock] = ()) -> None:
         """Debug aid for tests: refcounts, queue membership and cache map agree."""
         for block in self.blocks:
+            if block is self.null_block:
+                assert block.block_id not in self._free and block.key is None
+                continue
             in_queue = block.block_id in self._free
             assert in_queue == (block.ref_cnt == 0), block
             if block.key is not None:

@@ -29,11 +29,12 @@ from collections.abc import Sequence
 import torch
 
 from engine_adapter.block_pool import BlockPool
-from engine_adapter.managers import GroupPlan, SingleTypeManager, make_manager
+from engine_adapter.managers import MambaManager, SingleTypeManager, make_manager
 from engine_adapter.offload.manager import OffloadConfig, OffloadManager
 from engine_adapter.profiles import ModelProfile, allocate_gpu_kv, default_device
 from engine_adapter.request import Request
-from events.groups import longest_cache_hit
+from events.groups import SlidingWindowSpec, cached_masks, hit_rule
+from events.retention import cache_hit_alignment, reachable_boundaries
 from events.structs import (
     MEDIUM_CPU,
     MEDIUM_GPU,
@@ -62,6 +63,8 @@ class KVCacheManager:
         pool_per_group: bool = False,
         enable_kv_cache_events: bool = True,
         allocate_kv: bool = True,
+        max_model_len: int = 1 << 30,
+        max_num_batched_tokens: int = 2048,
     ) -> None:
         self.profile = profile
         self.specs = profile.specs
@@ -76,10 +79,24 @@ class KVCacheManager:
         else:
             self.pools = [self._new_pool(num_gpu_blocks)] * n_groups
         self._unique_pools = list({id(p): p for p in self.pools}.values())
+        self.max_model_len = max_model_len
+        self.alignment = cache_hit_alignment(self.specs)  # vLLM's scheduler block size
         self.managers: list[SingleTypeManager] = [
-            make_manager(spec, g, self.pools[g], enable_events=enable_kv_cache_events)
+            make_manager(
+                spec,
+                g,
+                self.pools[g],
+                alignment=self.alignment,
+                enable_events=enable_kv_cache_events,
+            )
             for g, spec in enumerate(self.specs)
         ]
+        for m, spec in zip(self.managers, self.specs, strict=True):
+            if isinstance(spec, SlidingWindowSpec):
+                # vLLM's max_admission_blocks_per_request: the window plus one step's
+                # tokens is all a request ever holds at once in this group.
+                span = min(spec.sliding_window - 1 + max_num_batched_tokens, max_model_len)
+                m.admission_cap = -(-span // spec.block_size) + 1
         self.device = torch.device(device) if device is not None else default_device()
         self.gpu_kv: list[torch.Tensor] = (
             allocate_gpu_kv(profile, num_gpu_blocks, self.device)
@@ -133,7 +150,13 @@ class KVCacheManager:
         def is_cached(g: int, i: int) -> bool:
             return i < len(hashes) and pools[g].is_cached((hashes[i], g))
 
-        return longest_cache_hit(self.specs, is_cached, request.num_tokens - 1)
+        limit = request.num_tokens - 1
+        if limit <= 0:
+            request.shared_prefix_boundary = 0
+            return 0
+        masks = cached_masks(self.specs, is_cached, limit)
+        hit, request.shared_prefix_boundary = hit_rule(self.specs).hit_and_junction(masks, limit)
+        return hit
 
     def get_num_cpu_hit_tokens(self, request: Request, num_gpu_hit_tokens: int) -> int:
         """Tokens loadable from the CPU tier beyond the GPU hit (whole chunks)."""
@@ -154,15 +177,18 @@ class KVCacheManager:
         num_new_tokens: int,
         num_gpu_hit_tokens: int = 0,
         num_cpu_hit_tokens: int = 0,
+        *,
+        full_sequence_must_fit: bool = False,
     ) -> bool:
         """Reserve blocks to compute ``num_new_tokens`` more tokens; False if they run out.
 
-        The first call adopts the hits from :meth:`lookup` (made just before, with no
-        other allocation in between) and loads the CPU part into fresh GPU blocks. If
-        the hits cover the whole prompt the last token is still recomputed. On success
-        the blocks that become full are cached (``BlockStored``) and
-        ``request.num_computed_tokens`` advances past the scheduled tokens. On failure
-        only out-of-window blocks may have been freed (silently, as vLLM does).
+        vLLM's ``allocate_slots`` in order: (admission only) the whole sequence must fit;
+        blocks no longer needed are freed first, even if the allocation then fails; the
+        blocks needed are counted against the free queue (evictable cached blocks
+        included); the first call adopts the hits from :meth:`lookup` and loads the CPU
+        part into fresh blocks; new blocks are taken group by group; blocks that became
+        full are cached as ``events.retention`` says. ``request.num_computed_tokens``
+        then advances past the scheduled tokens.
         """
         rid = request.request_id
         first = rid not in self.managers[0].req_blocks
@@ -174,51 +200,79 @@ class KVCacheManager:
                 raise ValueError(f"{rid}: hit of {hit} tokens exceeds {request.num_tokens}")
             if num_cpu_hit_tokens and self.offload is None:
                 raise ValueError("CPU hits need an offload tier")
-            start = min(hit, request.num_tokens - 1)
+            total = min(hit, request.num_tokens - 1)
+            hits = [m.hit_blocks(request, num_gpu_hit_tokens) for m in self.managers]
         else:
             if hit:
                 raise ValueError(f"{rid}: prefix hits are only adopted by the first allocation")
-            start = hit = request.num_computed_tokens
-            for m in self.managers:
-                m.remove_skipped(rid, start)
-        end = start + num_new_tokens
+            total = request.num_computed_tokens
+            hits = [[] for _ in self.managers]
+        end = total + num_new_tokens
         if num_new_tokens <= 0 and not (first and hit):
             raise ValueError(f"{rid}: nothing to schedule and no prefix hit to adopt")
         if end > request.num_tokens:
             raise ValueError(f"{rid}: cannot schedule up to {end} of {request.num_tokens} tokens")
-        if first:
-            plans = [m.plan_first(request, num_gpu_hit_tokens, hit, end) for m in self.managers]
-        else:
-            plans = [m.plan_running(rid, start, end) for m in self.managers]
-        if not self._fits(plans):
+        if full_sequence_must_fit and first:
+            whole = min(request.num_tokens, self.max_model_len)
+            need = [
+                m.num_blocks_to_allocate(rid, whole, h, total, admission=True)
+                for m, h in zip(self.managers, hits, strict=True)
+            ]
+            if not self._fits(need):
+                return False
+        for m in self.managers:
+            m.remove_skipped(rid, total)
+        need = [
+            m.num_blocks_to_allocate(rid, end, h, total)
+            for m, h in zip(self.managers, hits, strict=True)
+        ]
+        if not self._fits(need):
             return False
-        if first and num_cpu_hit_tokens:
-            assert self.offload is not None
-            if not self.offload.can_load(request, [p.ext for p in plans]):
-                raise LookupError(f"{rid}: CPU hit is stale; look up again")
         if first:
-            for m, p in zip(self.managers, plans, strict=True):
-                m.adopt(rid, p)
-            fills = [m.fill(p, p.ext) for m, p in zip(self.managers, plans, strict=True)]
+            if num_cpu_hit_tokens:
+                assert self.offload is not None
+                ext = [
+                    self._ext_positions(m, h, total)
+                    for m, h in zip(self.managers, hits, strict=True)
+                ]
+                if not self.offload.can_load(request, ext):
+                    raise LookupError(f"{rid}: CPU hit is stale; look up again")
+            for m, h in zip(self.managers, hits, strict=True):
+                m.adopt(rid, h, total)
+            fills = [m.allocate_external(rid, total, num_cpu_hit_tokens) for m in self.managers]
             if num_cpu_hit_tokens:
                 assert self.offload is not None
                 self.offload.load(request, fills)
             request.num_gpu_hit_tokens = num_gpu_hit_tokens
             request.num_cpu_hit_tokens = num_cpu_hit_tokens
-        for m, p in zip(self.managers, plans, strict=True):
-            m.fill(p, p.new)
-        num_to_cache = min(max(end, hit), request.num_tokens)
         for m in self.managers:
-            m.cache(request, num_to_cache)
+            m.allocate_new(rid, end)
+        cacheable = min(end, request.num_tokens)
+        cacheable -= cacheable % self.alignment
+        boundaries = reachable_boundaries(request.num_prompt_tokens, request.shared_prefix_boundary)
+        for m in self.managers:
+            m.cache(request, cacheable, boundaries)
         request.num_computed_tokens = end
         self._scheduled[rid] = request
         return True
 
-    def _fits(self, plans: list[GroupPlan]) -> bool:
-        need: dict[int, int] = {}
-        for pool, plan in zip(self.pools, plans, strict=True):
-            need[id(pool)] = need.get(id(pool), 0) + plan.num_blocks_needed
-        return all(need.get(id(p), 0) <= p.num_free_blocks for p in self._unique_pools)
+    def _fits(self, need: list[int]) -> bool:
+        per_pool: dict[int, int] = {}
+        for pool, n in zip(self.pools, need, strict=True):
+            per_pool[id(pool)] = per_pool.get(id(pool), 0) + n
+        return all(per_pool.get(id(p), 0) <= p.num_free_blocks for p in self._unique_pools)
+
+    @staticmethod
+    def _ext_positions(m: SingleTypeManager, hits: list, total: int) -> list[int]:
+        """Positions a first allocation will load from the CPU tier (for the stale check)."""
+        skipped = m.num_skipped_tokens(total) // m.block_size
+        return list(range(max(skipped, len(hits)), -(-total // m.block_size)))
+
+    def new_step_starts(self) -> None:
+        """Start of an engine step: Mamba's same-step hit refusal starts afresh."""
+        for m in self.managers:
+            if isinstance(m, MambaManager):
+                m.cached_this_step.clear()
 
     def free(self, request: Request) -> None:
         """Release a finished or preempted request (offering its last chunks to the CPU
@@ -264,7 +318,7 @@ class KVCacheManager:
         here keeps the tiers in step with what a consumer does on that event (forget
         everything of this engine).
         """
-        if any(p.num_free_blocks != p.num_blocks for p in self._unique_pools):
+        if not self.is_idle():
             logger.warning("reset_prefix_cache refused: blocks still in use")
             return False
         if self.offload is not None:
@@ -296,6 +350,10 @@ class KVCacheManager:
     @property
     def tokens_per_chunk(self) -> int:
         return self.offload.tokens_per_chunk if self.offload is not None else 0
+
+    def is_idle(self) -> bool:
+        """No request holds a block (every usable block is in the free queue)."""
+        return all(p.num_free_blocks == p.num_usable for p in self._unique_pools)
 
     @property
     def num_free_blocks(self) -> int:

@@ -1,197 +1,203 @@
-"""Per-kind KV cache managers: which blocks of one group a request needs, keeps, caches.
+"""Per-kind KV cache managers: which blocks of one group a request holds, frees, caches.
 
-One manager per group, as vLLM's ``single_type_kv_cache_manager.py``. A request's block
-table per group is a list indexed by block position; ``None`` is vLLM's null block (a
-position the group does not need). The kinds differ only in that:
+One manager per group, following vLLM 0.33's ``single_type_kv_cache_manager.py`` step for
+step (the real-vLLM differential test holds us to it). A request's block table per group
+is a list indexed by block position; ``None`` is vLLM's null block. The kinds differ in:
 
-* full attention needs every block of the prefix and frees nothing early;
-* sliding window needs the blocks covering the last ``window - 1`` tokens; blocks that
-  fall out of the window are freed at once (no event: they stay cached and findable, and
-  being freed early they are the first to be evicted);
-* Mamba ("align" mode) keeps only state blocks: the running state, the state at the last
-  block boundary reached in each engine step (the only one cached), and the state the
-  step started from (freed at the next step). A 1000-token prefill in one step caches
-  block 61 (tokens 976..991, state after 992 tokens) and no other block.
+* full attention: a real block for every position, freed only when the request ends;
+* sliding window: a real block for every position of every scheduled chunk; at the next
+  allocation the blocks wholly before ``num_computed - window + 1`` are freed (silently);
+* Mamba ("align" mode): only the running state block, plus the previous one for one more
+  step; a state block holds the state after exactly ``(i + 1) * block_size`` tokens.
 
-The hit itself is not decided here: the coordinator calls ``events.groups`` (shared with
-the router); managers only adopt the blocks that hit and allocate the rest.
+Which full blocks get a hash (and a ``BlockStored``) is ``events.retention``: every one
+for full attention, the window tails / state blocks at the reachable boundaries for the
+sparse kinds. The hit itself is ``events.groups`` (shared with the router).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 from engine_adapter.block_pool import BlockPool, KVBlock
 from engine_adapter.request import Request
-from events.groups import KVCacheSpec, MambaSpec, SlidingWindowSpec
+from events.groups import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
+from events.retention import cacheable_mask
 from events.structs import MEDIUM_GPU, BlockStored
 
 __all__ = [
     "FullAttentionManager",
-    "GroupPlan",
     "MambaManager",
     "SingleTypeManager",
     "SlidingWindowManager",
+    "cdiv",
     "make_manager",
 ]
+
+Table = list[KVBlock | None]
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@dataclass(slots=True)
-class GroupPlan:
-    """One group's part of an allocation, computed before anything changes.
-
-    ``blocks`` is the request's table after the step with the slots still to fill left
-    ``None``; ``ext`` slots are filled and loaded from the CPU tier, ``new`` slots are
-    for the scheduled tokens.
-    """
-
-    blocks: list[KVBlock | None]
-    first: bool
-    hits: list[KVBlock] = field(default_factory=list)
-    ext: list[int] = field(default_factory=list)
-    new: list[int] = field(default_factory=list)
-
-    @property
-    def num_blocks_needed(self) -> int:
-        """Blocks this plan takes out of the free queue (new ones + free prefix hits)."""
-        return len(self.ext) + len(self.new) + sum(1 for b in self.hits if b.ref_cnt == 0)
-
-
 class SingleTypeManager:
     """Bookkeeping shared by all kinds; subclasses override the few rules that differ."""
 
     def __init__(
-        self, spec: KVCacheSpec, group_idx: int, pool: BlockPool, *, enable_events: bool = True
+        self,
+        spec: KVCacheSpec,
+        group_idx: int,
+        pool: BlockPool,
+        *,
+        alignment: int | None = None,
+        enable_events: bool = True,
     ) -> None:
         self.spec = spec
         self.group_idx = group_idx
         self.pool = pool
         self.block_size = spec.block_size
+        self.alignment = alignment or spec.block_size  # vLLM's cache-hit alignment tokens
         self.enable_events = enable_events
-        self.req_blocks: dict[str, list[KVBlock | None]] = {}
+        self.req_blocks: dict[str, Table] = {}
         self.num_cached: dict[str, int] = {}
+        # Blocks the full-sequence admission gate may reserve for one request (SWA only).
+        self.admission_cap: int | None = None
 
     # ---- kind-specific rules --------------------------------------------------------
 
-    def num_skipped_blocks(self, num_computed: int) -> int:
-        """Leading blocks no longer needed once ``num_computed`` tokens are computed."""
+    def num_skipped_tokens(self, num_computed: int) -> int:
+        """Leading tokens whose KV the next token no longer needs."""
         return 0
 
-    def new_indices(
-        self, blocks: list[KVBlock | None], reserved: set[int], num_computed: int, num_tokens: int
-    ) -> list[int]:
-        """Positions needing a fresh block to compute tokens ``[num_computed, num_tokens)``.
+    def hit_blocks(self, request: Request, num_hit_tokens: int) -> Table:
+        """The blocks vLLM's lookup returns for this group at the final hit length
+        (``None`` where the group needs no block)."""
+        n = num_hit_tokens // self.block_size
+        return [self._cached(request, i) for i in range(n)]
 
-        ``reserved`` are positions this same plan already fills (CPU loads).
-        """
-        return list(range(len(blocks), cdiv(num_tokens, self.block_size)))
+    def _cached(self, request: Request, i: int) -> KVBlock:
+        block = self.pool.get_cached((request.block_hashes[i], self.group_idx))
+        if block is None:
+            raise KeyError(f"group {self.group_idx} block {i} of {request.request_id} not cached")
+        return block
 
-    # ---- planning (no state change) -------------------------------------------------
+    # ---- counting (no state change) -------------------------------------------------
 
-    def plan_first(
-        self, request: Request, num_hit: int, num_computed: int, num_tokens: int
-    ) -> GroupPlan:
-        """Plan a request's first allocation: adopt the GPU hit ``[0, num_hit)``, load
-        ``[num_hit, num_computed)`` from CPU, allocate for ``[num_computed, num_tokens)``."""
-        bs = self.block_size
-        skip = self.num_skipped_blocks(num_computed)
-        n_hit = num_hit // bs
-        n_done = cdiv(num_computed, bs)
-        blocks: list[KVBlock | None] = [None] * n_done
-        hits: list[KVBlock] = []
-        hashes = request.block_hashes
-        g = self.group_idx
-        for i in range(min(skip, n_hit), n_hit):
-            block = self.pool.get_cached((hashes[i], g))
-            if block is None:
-                raise KeyError(f"group {g} block {i} of {request.request_id} is not cached")
-            blocks[i] = block
-            hits.append(block)
-        ext = list(range(max(skip, n_hit), n_done))
-        new = self.new_indices(blocks, set(ext), num_computed, num_tokens)
-        return GroupPlan(blocks, True, hits, ext, new)
+    def num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        hits: Table,
+        total_computed: int,
+        *,
+        admission: bool = False,
+    ) -> int:
+        """Blocks this group takes from the free queue to hold ``num_tokens`` tokens
+        (hits that sit in the free queue count: touching them takes them out)."""
+        required = cdiv(num_tokens, self.block_size)
+        if admission and self.admission_cap is not None:
+            required = min(required, self.admission_cap)
+        table = self.req_blocks.get(request_id, ())
+        if request_id in self.num_cached:  # running: no new hits
+            return max(required - len(table), 0)
+        skipped = self.num_skipped_tokens(total_computed) // self.block_size
+        new = max(required - max(skipped, len(hits) + len(table)), 0)
+        kept = hits[max(0, skipped - len(table)) :]
+        return new + sum(1 for b in kept if b is not None and b.ref_cnt == 0)
 
-    def plan_running(self, request_id: str, num_computed: int, num_tokens: int) -> GroupPlan:
-        blocks = self.req_blocks[request_id]
-        return GroupPlan(
-            blocks, False, new=self.new_indices(blocks, set(), num_computed, num_tokens)
-        )
-
-    # ---- commit ---------------------------------------------------------------------
-
-    def adopt(self, request_id: str, plan: GroupPlan) -> None:
-        """Phase 1 of a first allocation: take references on the GPU hit."""
-        self.pool.touch(plan.hits)
-        self.req_blocks[request_id] = plan.blocks
-        # Hit blocks (and skipped positions before them) are already cached.
-        self.num_cached[request_id] = plan.ext[0] if plan.ext else len(plan.blocks)
-
-    def fill(self, plan: GroupPlan, indices: list[int]) -> list[tuple[int, KVBlock]]:
-        """Give fresh blocks to ``indices`` of the plan's table (growing it as needed)."""
-        if not indices:
-            return []
-        blocks = plan.blocks
-        top = max(indices) + 1
-        if top > len(blocks):
-            blocks.extend([None] * (top - len(blocks)))
-        fresh = self.pool.get_new_blocks(len(indices))
-        for i, block in zip(indices, fresh, strict=True):
-            blocks[i] = block
-        return list(zip(indices, fresh, strict=True))
+    # ---- state changes --------------------------------------------------------------
 
     def remove_skipped(self, request_id: str, num_computed: int) -> None:
-        """Free (silently) leading blocks no longer needed, tail first, as nulls."""
-        skip = self.num_skipped_blocks(num_computed)
-        blocks = self.req_blocks.get(request_id)
-        if not skip or not blocks:
+        """Free (silently) leading blocks the next token no longer needs, tail first."""
+        skipped = self.num_skipped_tokens(num_computed)
+        table = self.req_blocks.get(request_id)
+        if skipped <= 0 or not table:
             return
+        self._free_range(request_id, 0, min(skipped // self.block_size, len(table)))
+
+    def _free_range(self, request_id: str, first: int, last: int) -> None:
+        table = self.req_blocks[request_id]
         freed: list[KVBlock] = []
-        for i in range(min(skip, len(blocks)) - 1, -1, -1):
-            block = blocks[i]
+        for i in range(last - 1, first - 1, -1):
+            block = table[i]
             if block is None:
                 break
             freed.append(block)
-            blocks[i] = None
+            table[i] = None
         if freed:
             self.pool.free_blocks(freed)
 
-    def cache(self, request: Request, num_tokens: int) -> None:
-        """Cache blocks that are full with ``num_tokens`` tokens; one ``BlockStored``."""
+    def adopt(self, request_id: str, hits: Table, total_computed: int) -> None:
+        """First allocation: take the prefix hit (nulls for positions already out of use)."""
+        skipped = self.num_skipped_tokens(total_computed) // self.block_size
+        kept = hits[skipped:]
+        self.pool.touch([b for b in kept if b is not None])
+        table: Table = [None] * skipped
+        table.extend(kept)
+        self.req_blocks[request_id] = table
+        self.num_cached[request_id] = len(table)
+
+    def allocate_external(
+        self, request_id: str, total_computed: int, num_external: int
+    ) -> list[tuple[int, KVBlock]]:
+        """Fresh blocks for tokens loaded from the CPU tier; ``(position, block)`` pairs."""
+        skipped = self.num_skipped_tokens(total_computed)
+        if skipped > 0:
+            num_external = min(total_computed - skipped, num_external)
+        if num_external <= 0:
+            return []
+        table = self.req_blocks[request_id]
+        n = max(0, cdiv(total_computed, self.block_size) - len(table))
+        fresh = self.pool.get_new_blocks(n)
+        start = len(table)
+        table.extend(fresh)
+        return list(zip(range(start, start + n), fresh, strict=True))
+
+    def allocate_new(self, request_id: str, num_tokens: int) -> list[KVBlock]:
+        """Grow the table to hold ``num_tokens`` tokens."""
+        table = self.req_blocks.setdefault(request_id, [])
+        n = cdiv(num_tokens, self.block_size) - len(table)
+        if n <= 0:
+            return []
+        fresh = self.pool.get_new_blocks(n)
+        table.extend(fresh)
+        return fresh
+
+    def cache(self, request: Request, num_tokens: int, boundaries: Sequence[int]) -> None:
+        """Hash the blocks full with ``num_tokens`` tokens that retention keeps; one
+        ``BlockStored`` whenever the group's count of full blocks grows (even with no
+        hash: vLLM emits it, its ``token_ids`` covering the skipped blocks too)."""
         rid = request.request_id
         bs = self.block_size
         start = self.num_cached.get(rid, 0)
         end = min(num_tokens // bs, len(request.block_hashes))
         if end <= start:
             return
-        blocks = self.req_blocks[rid]
+        table = self.req_blocks[rid]
+        mask = cacheable_mask(self.spec, self.alignment, boundaries, start, end)
         hashes = request.block_hashes
         wires = request.wire_hashes
         g = self.group_idx
-        stored: list[int] = []
-        cache_block = self.pool.cache_block
-        for i in range(start, min(end, len(blocks))):
-            block = blocks[i]
-            if block is None or block.key is not None:
+        kept: list[int] = []
+        for i in range(start, end):
+            block = table[i] if i < len(table) else None
+            if block is None or (mask is not None and not mask[i - start]):
                 continue
-            cache_block(block, (hashes[i], g))
-            stored.append(wires[i])
+            self.pool.cache_block(block, (hashes[i], g))
+            kept.append(i)
         self.num_cached[rid] = end
-        if self.enable_events and stored:
-            lora = request.lora_name
-            self.pool.events.append(
+        if self.enable_events:
+            self.pool.emit(
                 BlockStored(
-                    block_hashes=stored,
+                    block_hashes=[wires[i] for i in kept],
                     parent_block_hash=wires[start - 1] if start else None,
                     token_ids=request.all_token_ids[start * bs : end * bs],
                     block_size=bs,
                     lora_id=None,
                     medium=MEDIUM_GPU,
-                    lora_name=lora,
-                    extra_keys=[(lora,) if lora is not None else None] * len(stored),
+                    lora_name=request.lora_name,
+                    extra_keys=request.event_extra_keys(kept),
                     group_idx=g,
                     kv_cache_spec_kind=self.spec.kind,
                     kv_cache_spec_sliding_window=self.spec.sliding_window,
@@ -200,84 +206,147 @@ class SingleTypeManager:
 
     def free(self, request_id: str) -> None:
         """Release a finished/preempted request's blocks, tail first (evicted first)."""
-        blocks = self.req_blocks.pop(request_id, None)
+        table = self.req_blocks.pop(request_id, None)
         self.num_cached.pop(request_id, None)
-        if blocks:
-            self.pool.free_blocks([b for b in reversed(blocks) if b is not None])
+        if table:
+            self.pool.free_blocks([b for b in reversed(table) if b is not None])
 
     def block_ids(self, request_id: str) -> list[int | None]:
         return [b.block_id if b is not None else None for b in self.req_blocks.get(request_id, ())]
 
 
 class FullAttentionManager(SingleTypeManager):
-    """Every block of the prefix, for the whole life of the request."""
+    """Every block of the sequence, for the whole life of the request."""
 
 
 class SlidingWindowManager(SingleTypeManager):
-    """Blocks covering the window; older ones are freed as the window moves."""
+    """Every block of a scheduled chunk; those behind the window freed at the next one."""
 
     def __init__(self, spec: SlidingWindowSpec, group_idx: int, pool: BlockPool, **kw) -> None:
         super().__init__(spec, group_idx, pool, **kw)
         self.sliding_window = spec.sliding_window
 
-    def num_skipped_blocks(self, num_computed: int) -> int:
+    def num_skipped_tokens(self, num_computed: int) -> int:
         # The next token attends to [num_computed - window + 1, num_computed].
-        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+        return max(0, num_computed - self.sliding_window + 1)
+
+    def hit_blocks(self, request: Request, num_hit_tokens: int) -> Table:
+        n = num_hit_tokens // self.block_size
+        lo = max(0, n - self.spec.window_blocks)  # type: ignore[attr-defined]
+        return [None] * lo + [self._cached(request, i) for i in range(lo, n)]
 
 
 class MambaManager(SingleTypeManager):
-    """State blocks only ("align" mode): running state + last boundary state per step."""
+    """ "align" mode: the running state block, and the previous one for one more step."""
 
     def __init__(self, spec: MambaSpec, group_idx: int, pool: BlockPool, **kw) -> None:
         super().__init__(spec, group_idx, pool, **kw)
         self._retired: dict[str, int] = {}
+        self._last_state: dict[str, int] = {}
+        self._allocated: set[str] = set()
+        # Hashes cached (or re-registered) this engine step: a hit on one is refused
+        # until a later step, as vLLM does (the state is written by this step's forward).
+        self.cached_this_step: set[tuple[bytes, int]] = set()
 
-    def num_skipped_blocks(self, num_computed: int) -> int:
-        # Only the block holding the state after ``num_computed`` tokens is needed.
-        return max(0, cdiv(num_computed, self.block_size) - 1)
+    def num_skipped_tokens(self, num_computed: int) -> int:
+        return num_computed - 1  # only the state after the last computed token is needed
 
-    def new_indices(
-        self, blocks: list[KVBlock | None], reserved: set[int], num_computed: int, num_tokens: int
-    ) -> list[int]:
-        bs = self.block_size
-        wanted = {cdiv(num_tokens, bs) - 1}  # the running state after this step
-        boundary = num_tokens // bs * bs
-        if num_tokens % bs and boundary > num_computed:
-            wanted.add(boundary // bs - 1)  # checkpoint: state at the last boundary reached
-        return sorted(
-            i
-            for i in wanted
-            if i >= 0 and i not in reserved and (i >= len(blocks) or blocks[i] is None)
-        )
+    def hit_blocks(self, request: Request, num_hit_tokens: int) -> Table:
+        n = num_hit_tokens // self.block_size
+        return [None] * (n - 1) + [self._cached(request, n - 1)] if n else []
+
+    def num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        hits: Table,
+        total_computed: int,
+        *,
+        admission: bool = False,
+    ) -> int:
+        if hits and hits[-1] is not None and hits[-1].key in self.cached_this_step:
+            return self.pool.num_blocks + 1  # cannot be admitted this step
+        held = len(self.req_blocks.get(request_id, ()))
+        new = cdiv(num_tokens, self.block_size) - len(hits) - held
+        new = min(new, 1) if new > 0 else 0  # one new state block per step
+        return new + sum(1 for b in hits if b is not None and b.ref_cnt == 0)
 
     def remove_skipped(self, request_id: str, num_computed: int) -> None:
-        # State blocks are sparse: scan only positions not retired by an earlier step.
-        blocks = self.req_blocks.get(request_id)
-        if not blocks:
-            return
-        limit = min(self.num_skipped_blocks(num_computed), len(blocks))
-        lo = self._retired.get(request_id, 0)
-        freed: list[KVBlock] = []
-        for i in range(limit - 1, lo - 1, -1):
-            block = blocks[i]
+        super().remove_skipped(request_id, num_computed)
+        last = self._last_state.get(request_id)
+        table = self.req_blocks.get(request_id)
+        if last is not None and table and last < cdiv(num_computed, self.block_size) - 1:
+            block = table[last]
             if block is not None:
-                freed.append(block)
-                blocks[i] = None
-        if limit > lo:
-            self._retired[request_id] = limit
+                self.pool.free_blocks([block])
+                table[last] = None
+
+    def _free_range(self, request_id: str, first: int, last: int) -> None:
+        table = self.req_blocks[request_id]
+        first = max(first, self._retired.get(request_id, 0))
+        last = min(last, len(table))
+        if first >= last:
+            return
+        freed = [table[i] for i in range(last - 1, first - 1, -1) if table[i] is not None]
+        for i in range(first, last):
+            table[i] = None
         if freed:
-            self.pool.free_blocks(freed)
+            self.pool.free_blocks(freed)  # type: ignore[arg-type]
+        self._retired[request_id] = last
+
+    def allocate_new(self, request_id: str, num_tokens: int) -> list[KVBlock]:
+        table = self.req_blocks.setdefault(request_id, [])
+        required = cdiv(num_tokens, self.block_size)
+        if required <= len(table):
+            self._allocated.add(request_id)
+            return []
+        if table:
+            self._last_state[request_id] = len(table) - 1
+        if len(table) < required - 1:
+            table.extend([None] * (required - 1 - len(table)))
+        fresh = self.pool.get_new_blocks(required - len(table))
+        table.extend(fresh)
+        self._allocated.add(request_id)
+        return fresh
+
+    def cache(self, request: Request, num_tokens: int, boundaries: Sequence[int]) -> None:
+        before = self.num_cached.get(request.request_id, 0)
+        super().cache(request, num_tokens, boundaries)
+        table = self.req_blocks[request.request_id]
+        after = self.num_cached.get(request.request_id, 0)
+        for i in range(before, after):
+            block = table[i] if i < len(table) else None
+            if block is not None and block.key is not None:
+                self.cached_this_step.add(block.key)
+        # The prompt's boundary state is re-registered on every step that caches up to
+        # it while the block is still held (vLLM's partial-tail bookkeeping).
+        hbs = request.block_size
+        boundary = (request.num_prompt_tokens - 1) // hbs * hbs
+        if num_tokens > 0 and num_tokens == boundary:
+            i = cdiv(num_tokens, self.block_size) - 1
+            block = table[i] if i < len(table) else None
+            if block is not None and block.key is not None:
+                self.cached_this_step.add(block.key)
 
     def free(self, request_id: str) -> None:
         self._retired.pop(request_id, None)
+        self._last_state.pop(request_id, None)
+        self._allocated.discard(request_id)
         super().free(request_id)
 
 
 def make_manager(
-    spec: KVCacheSpec, group_idx: int, pool: BlockPool, *, enable_events: bool = True
+    spec: KVCacheSpec,
+    group_idx: int,
+    pool: BlockPool,
+    *,
+    alignment: int | None = None,
+    enable_events: bool = True,
 ) -> SingleTypeManager:
+    kw = {"alignment": alignment, "enable_events": enable_events}
     if isinstance(spec, SlidingWindowSpec):
-        return SlidingWindowManager(spec, group_idx, pool, enable_events=enable_events)
+        return SlidingWindowManager(spec, group_idx, pool, **kw)
     if isinstance(spec, MambaSpec):
-        return MambaManager(spec, group_idx, pool, enable_events=enable_events)
-    return FullAttentionManager(spec, group_idx, pool, enable_events=enable_events)
+        return MambaManager(spec, group_idx, pool, **kw)
+    assert isinstance(spec, FullAttentionSpec)
+    return FullAttentionManager(spec, group_idx, pool, **kw)

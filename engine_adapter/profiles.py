@@ -33,11 +33,12 @@ __all__ = [
     "allocate_gpu_kv",
     "default_device",
     "get_profile",
+    "parse_layout",
 ]
 
 logger = logging.getLogger(__name__)
 
-PROFILE_NAMES = ("full", "swa-hybrid", "mamba-hybrid")
+PROFILE_NAMES = ("full", "swa-hybrid", "mamba-hybrid", "gemma3", "gpt-oss", "qwen3-next", "llama")
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_SLIDING_WINDOW = 1024
 DEFAULT_PAGE_BYTES = 4096
@@ -75,29 +76,73 @@ class ModelProfile:
         return self.layout.groups[0].block_size
 
 
+# Real model families: (layout spec, vLLM's block size on GPU for them). Group order is
+# vLLM's group_idx order (layer 0's kind first); group counts follow vLLM's grouping
+# (layers per group = the smaller count per kind).
+FAMILIES: dict[str, tuple[str, int]] = {
+    "gemma3": ("swa:1024*5,full", 16),  # 5 local layers (window 1024) : 1 global
+    "gpt-oss": ("swa:128,full", 16),  # alternating window-128 and full layers
+    "qwen3-next": ("mamba*3,full", 256),  # 3 Gated DeltaNet : 1 full; state-sized blocks
+    "llama": ("full", 16),
+}
+
+
+def parse_layout(spec: str, block_size: int) -> KVCacheLayout:
+    """``swa:64*5,full`` | ``mamba*3,full`` | ``full`` | ``swa:128,full``: groups in
+    ``group_idx`` order, ``KIND[:WINDOW][*COUNT]`` each, all at ``block_size``."""
+    groups: list[KVCacheSpec] = []
+    for part in spec.replace(" ", "").split(","):
+        kind, _, count = part.partition("*")
+        n = int(count) if count else 1
+        if n <= 0:
+            raise ValueError(f"layout {spec!r}: group count must be positive")
+        name, _, window = kind.partition(":")
+        if name == "full" and not window:
+            g: KVCacheSpec = FullAttentionSpec(block_size)
+        elif name == "mamba" and not window:
+            g = MambaSpec(block_size)
+        elif name == "swa" and window.isdigit() and int(window) > 0:
+            g = SlidingWindowSpec(block_size, int(window))
+        else:
+            raise ValueError(
+                f"layout {spec!r}: bad group {part!r}; expected full, mamba or swa:WINDOW,"
+                " each optionally *COUNT"
+            )
+        groups.extend([g] * n)
+    if not groups:
+        raise ValueError("a layout needs at least one group")
+    return KVCacheLayout(tuple(groups))
+
+
 def get_profile(
     name: str,
     *,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int | None = None,
     sliding_window: int = DEFAULT_SLIDING_WINDOW,
     page_bytes: int | Sequence[int] = DEFAULT_PAGE_BYTES,
+    layout: str | None = None,
 ) -> ModelProfile:
-    """A built-in profile: ``full`` (Llama-like), ``swa-hybrid`` (Gemma-3-like),
-    ``mamba-hybrid`` (Qwen3-Next/Jamba-like). ``page_bytes``: one size or one per group."""
-    groups: tuple[KVCacheSpec, ...]
-    if name == "full":
-        groups = (FullAttentionSpec(block_size),)
+    """A profile: ``layout`` (a spec for :func:`parse_layout`) wins; else a model family
+    (``gemma3``, ``gpt-oss``, ``qwen3-next``, ``llama``) or one of the 1:1 profiles
+    ``full``, ``swa-hybrid`` (window ``sliding_window``), ``mamba-hybrid``.
+    ``page_bytes``: one size or one per group."""
+    if layout is not None:
+        spec, bs = layout, block_size or DEFAULT_BLOCK_SIZE
+    elif name in FAMILIES:
+        spec, default_bs = FAMILIES[name]
+        bs = block_size or default_bs
+    elif name == "full":
+        spec, bs = "full", block_size or DEFAULT_BLOCK_SIZE
     elif name == "swa-hybrid":
-        groups = (FullAttentionSpec(block_size), SlidingWindowSpec(block_size, sliding_window))
+        spec, bs = f"full,swa:{sliding_window}", block_size or DEFAULT_BLOCK_SIZE
     elif name == "mamba-hybrid":
-        groups = (FullAttentionSpec(block_size), MambaSpec(block_size))
+        spec, bs = "full,mamba", block_size or DEFAULT_BLOCK_SIZE
     else:
         raise ValueError(f"unknown profile {name!r}; expected one of {PROFILE_NAMES}")
-    if isinstance(page_bytes, int):
-        pages = (page_bytes,) * len(groups)
-    else:
-        pages = tuple(int(p) for p in page_bytes)
-    return ModelProfile(name, KVCacheLayout(groups), pages)
+    groups = parse_layout(spec, bs)
+    n = len(groups.groups)
+    pages = (page_bytes,) * n if isinstance(page_bytes, int) else tuple(int(p) for p in page_bytes)
+    return ModelProfile(layout if layout is not None else name, groups, pages)
 
 
 def default_device() -> torch.device:

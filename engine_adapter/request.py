@@ -37,6 +37,10 @@ class Request:
     num_computed_tokens: int = field(init=False, default=0)
     num_gpu_hit_tokens: int = field(init=False, default=0)
     num_cpu_hit_tokens: int = field(init=False, default=0)
+    # vLLM's shared-prefix junction, set at lookup: the longer prefix full attention held
+    # when a sparse group cut the hit short; sparse groups then retain state there too.
+    shared_prefix_boundary: int = field(init=False, default=0)
+    num_preemptions: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -58,6 +62,14 @@ class Request:
         else:
             self.all_token_ids.extend(token_ids)
         self._update_block_hashes()
+
+    def event_extra_keys(self, positions: list[int]) -> list[tuple[Any, ...] | None] | None:
+        """``BlockStored.extra_keys`` for these blocks: untagged, one entry per block, None
+        for an empty list (vLLM's ``to_event_extra_keys``)."""
+        if not positions:
+            return None
+        keys = (self.lora_name,) if self.lora_name is not None else None
+        return [keys] * len(positions)
 
     def _extra_keys(self, num_blocks: int) -> list[tuple[Any, ...] | None] | None:
         # vLLM 0.33 tags the LoRA key as ("lora", name, path) on every block.

@@ -24,6 +24,7 @@ __all__ = [
     "KVCacheSpec",
     "MambaSpec",
     "SlidingWindowSpec",
+    "cached_masks",
     "hit_rule",
     "longest_cache_hit",
     "longest_cache_hit_masks",
@@ -172,8 +173,15 @@ class HitRule:
 
     def hit(self, masks: Sequence[int], max_tokens: int) -> int:
         """The hit in tokens for per-group block masks (see :func:`longest_cache_hit_masks`)."""
+        return self.hit_and_junction(masks, max_tokens)[0]
+
+    def hit_and_junction(self, masks: Sequence[int], max_tokens: int) -> tuple[int, int]:
+        """``(hit, junction)``: the hit, and vLLM's shared-prefix junction -- the longer
+        prefix full attention alone could serve when a sparse group cut the hit short
+        (0 when nothing was cut). The engine then retains sparse state there too
+        (``events.retention``)."""
         if max_tokens <= 0 or not self.specs:
-            return 0
+            return 0, 0
         hit = max_tokens - max_tokens % self.lcm
         # Each visit returns the largest length <= hit that group serves, so the hit never
         # drops below the answer and stops once every group serves it. Full attention
@@ -183,6 +191,7 @@ class HitRule:
             p = ((m + 1) & ~m).bit_length() - 1
             if p < hit // bs:
                 hit = (p - p % align) * bs
+        longest, first = hit, not self.full
         # Windowed groups: round robin until all of them confirm the current hit.
         windowed = self.windowed
         confirmed, i, k = 0, 0, len(windowed)
@@ -193,8 +202,10 @@ class HitRule:
                 hit, confirmed = n, 1  # the group serves its own answer
             else:
                 confirmed += 1
+            if first:  # without full attention, the first group's own hit is the longest
+                longest, first = hit, False
             i = i + 1 if i + 1 < k else 0
-        return hit
+        return hit, (longest if longest > hit else 0)
 
 
 @lru_cache(maxsize=256)
@@ -227,6 +238,14 @@ def longest_cache_hit(
     """
     if not specs or max_tokens <= 0:
         return 0
+    return longest_cache_hit_masks(specs, cached_masks(specs, is_cached, max_tokens), max_tokens)
+
+
+def cached_masks(
+    specs: Sequence[KVCacheSpec], is_cached: Callable[[int, int], bool], max_tokens: int
+) -> list[int]:
+    """Per group, the bitmask of cached blocks below ``max_tokens`` the hit rule reads
+    (full attention: its leading run only)."""
     masks = []
     for g, spec in enumerate(specs):
         n = max_tokens // spec.block_size
@@ -241,4 +260,4 @@ def longest_cache_hit(
                 if is_cached(g, i):
                     mask |= 1 << i
         masks.append(mask)
-    return longest_cache_hit_masks(specs, masks, max_tokens)
+    return masks

@@ -10,8 +10,15 @@ def engine(
     port: int = typer.Option(8000),
     model: str = typer.Option("kvroute-sim", help="Served model name."),
     name: str = typer.Option(None, help="How the engine names itself (default host:port)."),
-    profile: str = typer.Option("swa-hybrid", help="full | swa-hybrid | mamba-hybrid"),
-    block_size: int = typer.Option(16),
+    profile: str = typer.Option(
+        "swa-hybrid",
+        help="full | swa-hybrid | mamba-hybrid, or a model family: gemma3 | gpt-oss | "
+        "qwen3-next | llama",
+    ),
+    layout: str = typer.Option(
+        None, help="KV cache groups in group_idx order, e.g. swa:64*5,full or mamba*3,full."
+    ),
+    block_size: int = typer.Option(None, help="Block size vLLM uses [profile's default]."),
     sliding_window: int = typer.Option(1024, help="Window of the swa-hybrid profile (tokens)."),
     page_bytes: int = typer.Option(4096, help="Bytes per block per group in the KV tensors."),
     gpu_blocks: int = typer.Option(2048, help="GPU KV blocks (shared by all groups)."),
@@ -27,7 +34,9 @@ def engine(
     ),
     seed: str = typer.Option(None, help="NONE_HASH seed (default: vLLM's rule)."),
     tokenizer: str = typer.Option(None, help="Path to a tokenizer.json (default byte-level)."),
-    max_model_len: int = typer.Option(131_072),
+    max_model_len: int = typer.Option(
+        None, help="Context length [the longest the GPU blocks hold, up to 131072]."
+    ),
     max_num_seqs: int = typer.Option(64),
     max_num_batched_tokens: int = typer.Option(4096),
     time_scale: float = typer.Option(1.0, help="Run the timing model X times faster."),
@@ -45,6 +54,13 @@ def engine(
         events = KVEventsConfig.from_json(kv_events_config) if kv_events_config else None
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--kv-events-config") from exc
+    if layout is not None:
+        from engine_adapter.profiles import parse_layout
+
+        try:
+            parse_layout(layout, block_size or 16)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--layout") from exc
     if time_scale <= 0 or prefill_tokens_per_s <= 0:
         raise typer.BadParameter("--time-scale and --prefill-tokens-per-s must be positive")
     settings = EngineSettings(
@@ -53,6 +69,7 @@ def engine(
         model=model,
         name=name,
         profile=profile,
+        layout=layout,
         block_size=block_size,
         sliding_window=sliding_window,
         page_bytes=page_bytes,
@@ -71,4 +88,7 @@ def engine(
         timing=TimingModel(prefill_s_per_token=1.0 / prefill_tokens_per_s, time_scale=time_scale),
         data_parallel_rank=data_parallel_rank,
     )
-    serve(settings, log_level=log_level)
+    try:
+        serve(settings, log_level=log_level)
+    except ValueError as exc:  # e.g. max_model_len does not fit the pool (vLLM's check)
+        raise typer.BadParameter(str(exc)) from exc

@@ -70,7 +70,7 @@ def create_app(state: RouterState) -> FastAPI:
     s = state.settings
 
     async def _decide(
-        request: Request, kind: str | None
+        request: Request, kind: str | None, *, forward: bool = True
     ) -> tuple[bytes, dict[str, Any], RouteDecision] | Response:
         """Read, validate and route an OpenAI body (``kind`` None: told by its fields)."""
         parsed = await _read_json(request, s.max_body_bytes)
@@ -81,7 +81,7 @@ def create_app(state: RouterState) -> FastAPI:
             kind = "chat" if "messages" in data else "completion"
         if (err := _validate(kind, data)) is not None:
             return err
-        decision = await state.router.decide(data, kind)
+        decision = await state.router.decide(data, kind, record=forward)
         if decision is None:
             return error_response("no healthy instance", 503, "ServiceUnavailableError")
         return raw, data, decision
@@ -107,7 +107,7 @@ def create_app(state: RouterState) -> FastAPI:
     @app.post("/debug/route")
     async def debug_route(request: Request) -> Response:
         """The decision for an OpenAI body, without forwarding it."""
-        routed = await _decide(request, None)
+        routed = await _decide(request, None, forward=False)
         if isinstance(routed, Response):
             return routed
         return JSONResponse(await state.router.explain(routed[2]))

@@ -17,17 +17,73 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from router.policy import POLICIES
 
-__all__ = ["InstanceSpec", "RouterSettings", "load_settings", "parse_instance"]
+__all__ = [
+    "InstanceSpec",
+    "RouterSettings",
+    "from_kv_events_config",
+    "load_settings",
+    "parse_instance",
+]
 
 
 @dataclass(frozen=True, slots=True)
 class InstanceSpec:
-    """``URL[=EVENTS_ENDPOINT[,replay=ENDPOINT][,topic=T]]``."""
+    """``URL[=EVENTS_ENDPOINT[,replay=ENDPOINT][,topic=T]]`` or ``URL=<vLLM's
+    --kv-events-config JSON>``, as the router's subscriber sees it.
+
+    ``bind``: whether the router's SUB socket binds ``events`` (the engine connects to
+    it) or connects; None keeps the subscriber's rule (bind a wildcard endpoint).
+    """
 
     url: str
     events: str | None = None
     replay: str | None = None
     topic: str = ""
+    bind: bool | None = None
+
+
+def _check_endpoint(ep: str | None) -> None:
+    if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ValueError(f"ZMQ endpoint must be tcp://, ipc:// or inproc://, got {ep!r}")
+
+
+def _engine_binds(endpoint: str) -> bool:
+    """vLLM's rule (``ZmqEventPublisher``): bind a wildcard, ipc or inproc endpoint,
+    connect to anything else."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def _towards(endpoint: str, host: str) -> str:
+    """Where to reach an endpoint the engine binds: its wildcard host becomes ``host``."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    _, _, port = endpoint.rpartition(":")
+    bound = endpoint[len("tcp://") : -len(port) - 1]
+    if bound in ("*", "[::]", "::", "0.0.0.0"):
+        bound = f"[{host}]" if ":" in host else host
+    return f"tcp://{bound}:{port}"
+
+
+def from_kv_events_config(url: str, text: str) -> InstanceSpec:
+    """An instance from the exact ``--kv-events-config`` JSON its vLLM was started with.
+
+    The engine binds ``tcp://*:P`` (or ipc): the router connects to the instance's host;
+    an engine given a concrete address connects to it, so the router binds there. The
+    replay endpoint is always bound by the engine. Data-parallel ranks other than 0 are
+    not followed here.
+    """
+    from events.config import KVEventsConfig
+
+    cfg = KVEventsConfig.from_json(text)
+    if not cfg.enable_kv_cache_events or cfg.publisher == "null":
+        return InstanceSpec(url)
+    host = urlparse(url).hostname or "127.0.0.1"
+    binds = _engine_binds(cfg.endpoint)
+    events = _towards(cfg.endpoint, host) if binds else cfg.endpoint
+    replay = _towards(cfg.replay_endpoint, host) if cfg.replay_endpoint else None
+    for ep in (events, replay):
+        _check_endpoint(ep)
+    return InstanceSpec(url, events, replay, cfg.topic, bind=not binds)
 
 
 def parse_instance(text: str) -> InstanceSpec:
@@ -37,6 +93,8 @@ def parse_instance(text: str) -> InstanceSpec:
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise ValueError(f"instance URL must be http(s)://host:port, got {url!r}")
+    if rest.lstrip().startswith("{"):
+        return from_kv_events_config(url, rest)
     events = replay = None
     topic = ""
     if rest:
@@ -51,8 +109,7 @@ def parse_instance(text: str) -> InstanceSpec:
             else:
                 raise ValueError(f"unknown instance option {key!r} in {text!r}")
         for ep in (events, replay):
-            if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
-                raise ValueError(f"ZMQ endpoint must be tcp://, ipc:// or inproc://, got {ep!r}")
+            _check_endpoint(ep)
     return InstanceSpec(url, events, replay, topic)
 
 

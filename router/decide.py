@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from events.hashing import hash_request_blocks, wire_hash
+from events.retention import retained_prompt_blocks
 from router.index.base import NUM_TIERS, BlockIndex
 from router.instances import Instance, InstanceRegistry
 from router.metrics import RouterMetrics
@@ -31,12 +32,19 @@ log = logging.getLogger(__name__)
 class RouteDecision:
     decision: Decision
     prompt_tokens: int
-    block_hashes: list[int]
+    # Wire hashes of the prompt per hash block size: instances hash at their own size.
+    hashes: dict[int, list[int]]
+    hash_size: dict[str, int]  # instance -> its hash block size
     scores: dict[str, Score]
-    speculative_tokens: dict[str, int]
+    speculative_blocks: dict[str, int]
     candidates: dict[str, Candidate]
     index_ok: bool
     elapsed_s: float
+    # instance -> hashes its speculative entries were recorded under (released at the end)
+    speculative_held: dict[str, list[int]] = field(default_factory=dict)
+
+    def block_hashes(self, instance: str) -> list[int]:
+        return self.hashes.get(self.hash_size.get(instance, 0), [])
 
     def predicted(self, instance: str) -> tuple[int, int]:
         c = self.candidates.get(instance)
@@ -69,55 +77,77 @@ class Router:
         self.tokenizer = tokenizer
         self.speculative = speculative
         self.metrics = metrics
-        self.block_size = block_size
+        self.block_size = block_size  # until an instance's events say otherwise
         self.hash_algo = hash_algo
         self.seed = seed
 
-    async def decide(self, body: dict[str, Any], kind: str) -> RouteDecision | None:
-        """None when no instance is healthy."""
+    def hash_block_size(self, instance: str) -> int:
+        layout = self.scorer.layouts.get(instance)
+        return layout.hash_block_size if layout is not None else self.block_size
+
+    async def decide(
+        self, body: dict[str, Any], kind: str, *, record: bool = True
+    ) -> RouteDecision | None:
+        """None when no instance is healthy. ``record``: predict-on-route for the chosen
+        instance now, with no await between choosing and recording, so a burst's next
+        request already sees it (``/debug/route`` passes False)."""
         t0 = time.perf_counter()
         healthy = self.registry.healthy()
         if not healthy:
             return None
         ids = await self.tokenizer.prompt_ids(body, kind)
         n_tokens = len(ids) if ids is not None else 0
-        hashes: list[int] = []
-        if ids and self.policy.uses_scores:
-            hashes = [
-                wire_hash(h)
-                for h in hash_request_blocks(ids, self.block_size, self.hash_algo, self.seed)
-            ]
+        # 1. Which hash block size each candidate uses (vLLM picks it; events tell).
         urls = [i.url for i in healthy]
+        hash_size = {u: self.hash_block_size(u) for u in urls}
+        by_size: dict[int, list[str]] = {}
+        for u, size in hash_size.items():
+            by_size.setdefault(size, []).append(u)
+        # 2. The prompt's block hashes at each size; 3. index + speculative residency,
+        # scored by the one hit rule per instance.
+        hashes: dict[int, list[int]] = {}
         scores: dict[str, Score] = {}
-        spec: dict[str, int] = {}
+        spec_blocks: dict[str, int] = {}
         index_ok = True
-        if hashes:
-            try:
-                scores = await self.scorer.score(hashes, n_tokens, urls)
-            except Exception:
-                index_ok = False
-                self.metrics.index_errors.inc()
-                log.warning("index lookup failed; routing on load only", exc_info=True)
-            cap = ((n_tokens - 1) // self.block_size) * self.block_size
-            spec = {
-                u: min(b * self.block_size, cap)
-                for u, b in self.speculative.prefix_blocks(hashes, urls).items()
-            }
-        candidates = {
-            i.url: self._candidate(i, scores.get(i.url), spec.get(i.url, 0)) for i in healthy
-        }
+        if ids and self.policy.uses_scores:
+            for size, group in by_size.items():
+                hashes[size] = hs = [
+                    wire_hash(h) for h in hash_request_blocks(ids, size, self.hash_algo, self.seed)
+                ]
+                if not hs:
+                    continue
+                extra = self.speculative.residency(hs, group)
+                for u, res in extra.items():
+                    spec_blocks[u] = max(m.bit_count() for m in res.values())
+                try:
+                    scores.update(await self.scorer.score(hs, n_tokens, group, extra))
+                except Exception:
+                    index_ok = False
+                    self.metrics.index_errors.inc()
+                    log.warning("index lookup failed; routing on load only", exc_info=True)
+        # 4. The policy ranks the candidates.
+        candidates = {i.url: self._candidate(i, scores.get(i.url)) for i in healthy}
         decision = self.policy.choose(list(candidates.values()), max(n_tokens, 1))
         elapsed = time.perf_counter() - t0
         self.metrics.decision_seconds.observe(elapsed)
-        return RouteDecision(
-            decision, n_tokens, hashes, scores, spec, candidates, index_ok, elapsed
+        out = RouteDecision(
+            decision,
+            n_tokens,
+            hashes,
+            hash_size,
+            scores,
+            spec_blocks,
+            candidates,
+            index_ok,
+            elapsed,
         )
+        if record:
+            self.routed(out, decision.instance)
+        return out
 
     @staticmethod
-    def _candidate(inst: Instance, score: Score | None, spec_tokens: int) -> Candidate:
+    def _candidate(inst: Instance, score: Score | None) -> Candidate:
         gpu, cpu = (score.gpu_tokens, score.cpu_tokens) if score else (0, 0)
-        if spec_tokens > gpu + cpu:  # a just-routed request's prefill will leave it on GPU
-            gpu, cpu = spec_tokens, 0
         return Candidate(
             name=inst.url,
             gpu_tokens=gpu,
@@ -129,18 +159,44 @@ class Router:
         )
 
     def routed(self, decision: RouteDecision, instance: str) -> None:
-        """Predict-on-route: the chosen instance will hold the prompt's blocks soon."""
-        if decision.block_hashes:
-            self.speculative.record(instance, decision.block_hashes)
+        """Predict-on-route: the blocks the chosen instance will cache for this prompt,
+        per group, as vLLM retains them (``events.retention``)."""
+        hashes = decision.block_hashes(instance)
+        layout = self.scorer.layouts.get(instance)
+        if not hashes or layout is None or instance in decision.speculative_held:
+            return
+        score = decision.scores.get(instance)
+        held = retained_prompt_blocks(
+            layout.groups,
+            decision.prompt_tokens,
+            layout.hash_block_size,
+            junction=score.junction_tokens if score else 0,
+        )
+        decision.speculative_held[instance] = self.speculative.record(
+            instance,
+            {g: [hashes[p] for p in positions if p < len(hashes)] for g, positions in held},
+        )
+
+    def settled(self, decision: RouteDecision, instance: str) -> None:
+        """The routed request ended: its events are published; the index takes over at
+        the next batch applied from ``instance``."""
+        held = decision.speculative_held.pop(instance, None)
+        if held:
+            self.speculative.settle(instance, held)
 
     async def explain(self, decision: RouteDecision) -> dict[str, Any]:
         """``/debug/route``: per instance hits per tier and group, queue terms, TTFT."""
         groups: dict[str, dict[str, Any]] = {}
-        if decision.block_hashes and decision.index_ok:
-            try:
-                found = await self.index.lookup(decision.block_hashes, list(decision.candidates))
-            except Exception:
-                found = {}
+        found: dict[str, Any] = {}
+        if decision.index_ok:
+            for size, hs in decision.hashes.items():
+                urls = [u for u in decision.candidates if decision.hash_size.get(u) == size]
+                try:
+                    found.update(await self.index.lookup(hs, urls) if hs else {})
+                except Exception:
+                    found = {}
+                    break
+        if found:
             for url, res in found.items():
                 per: dict[str, Any] = {}
                 for slot, mask in sorted(res.items()):
@@ -162,7 +218,9 @@ class Router:
                     "gpu_tokens": c.gpu_tokens,
                     "cpu_tokens": c.cpu_tokens,
                     "index_score": list(decision.scores.get(url, Score(0, 0))),
-                    "speculative_tokens": decision.speculative_tokens.get(url, 0),
+                    "speculative_blocks": decision.speculative_blocks.get(url, 0),
+                    "hash_block_size": decision.hash_size.get(url),
+                    "layout_source": layouts.source(url),
                     "groups": groups.get(url, {}),
                     "layout": layout.to_dict() if layout else None,
                     "inflight_requests": c.inflight_requests,
@@ -179,7 +237,7 @@ class Router:
             "instance": decision.decision.instance,
             "policy": self.policy.name,
             "prompt_tokens": decision.prompt_tokens,
-            "num_blocks": len(decision.block_hashes),
+            "num_blocks": {str(k): len(v) for k, v in decision.hashes.items()},
             "index_ok": decision.index_ok,
             "decision_ms": decision.elapsed_s * 1e3,
             "candidates": out,

@@ -92,6 +92,7 @@ class LayoutRegistry:
         self._learned: dict[str, InstanceLayout] = {}
         self._seen: dict[str, dict[int, tuple[str | None, int | None, int]]] = {}
         self._chunk: dict[str, int] = {}  # tokens per CPU chunk, from self-describing events
+        self._warned: set[str] = set()  # instances whose block size disagreed (warned once)
 
     def configure(self, instance: str, layout: InstanceLayout | None) -> None:
         if layout is None:
@@ -104,6 +105,14 @@ class LayoutRegistry:
 
     def learned(self, instance: str) -> InstanceLayout | None:
         return self._learned.get(instance)
+
+    def source(self, instance: str) -> str:
+        """Where ``get`` takes the instance's layout from (shown in ``/debug/route``)."""
+        if instance in self._configured:
+            return "configured"
+        if instance in self._learned:
+            return "learned from events"
+        return "default: no events from this instance yet" if self.default else "none"
 
     def forget(self, instance: str) -> None:
         self._learned.pop(instance, None)
@@ -132,7 +141,10 @@ class LayoutRegistry:
     def observe(self, instance: str, batch: KVEventBatch) -> bool:
         """Learn from the batch's ``BlockStored`` events; True if the learned layout changed.
 
-        GPU stores give each group's spec and block size. Self-describing CPU stores
+        GPU stores give each group's spec and block size -- empty ones too: with sparse
+        retention a sliding-window or Mamba group often stores no hash at first, and a
+        layout missing it would credit full-attention hits it cannot serve. Self-describing
+        CPU stores
         (``block_size > 0``, one event per offloaded chunk, every block hash of a full
         attention or sliding-window group) give the chunk size; placeholder CPU stores
         (``block_size == 0``) carry no geometry.
@@ -140,9 +152,11 @@ class LayoutRegistry:
         seen = self._seen.get(instance)
         changed = False
         for ev in batch.events:
-            if type(ev) is not BlockStored or ev.block_size <= 0 or not ev.block_hashes:
+            if type(ev) is not BlockStored or ev.block_size <= 0:
                 continue
             if ev.medium not in (None, "GPU"):
+                if not ev.block_hashes:
+                    continue
                 if ev.kv_cache_spec_kind != "mamba":  # a Mamba chunk names only its state
                     tpc = len(ev.block_hashes) * ev.block_size
                     if self._chunk.get(instance) != tpc:
@@ -182,10 +196,11 @@ class LayoutRegistry:
                 groups.append(base.groups[g])
             else:  # not seen yet: a group with no blocks, so it hits nothing
                 groups.append(FullAttentionSpec(seen[min(seen)][2]))
-        hbs = base.hash_block_size if base is not None else 0
+        # The engine hashes at its own block size (vLLM picks it: 32 on CPU whatever was
+        # asked, larger for Mamba hybrids); the events' block sizes are the truth.
         tpc = self._chunk.get(instance) or (base.tokens_per_chunk if base is not None else None)
         layout = None
-        for geometry in ((hbs, tpc), (0, tpc), (0, None)):
+        for geometry in ((0, tpc), (0, None)):
             try:
                 layout = InstanceLayout(tuple(groups), *geometry)
                 break
@@ -193,6 +208,21 @@ class LayoutRegistry:
                 log.warning("instance %s: geometry %s does not fit its groups", instance, geometry)
         assert layout is not None  # (0, None) always fits
         log.info("instance %s layout: %s", instance, layout.to_dict())
+        if (
+            self.default is not None
+            and instance not in self._configured
+            and layout.hash_block_size != self.default.hash_block_size
+            and instance not in self._warned
+        ):
+            self._warned.add(instance)
+            log.warning(
+                "instance %s hashes %d-token blocks (from its events), not the configured %d:"
+                " using %d for it",
+                instance,
+                layout.hash_block_size,
+                self.default.hash_block_size,
+                layout.hash_block_size,
+            )
         return layout
 
 

@@ -81,6 +81,7 @@ class Forwarder:
         *,
         max_retries: int = 2,
         on_routed: Callable[[RouteDecision, str], None] | None = None,
+        on_done: Callable[[RouteDecision, str], None] | None = None,
     ) -> None:
         self.client = client
         self.registry = registry
@@ -88,6 +89,7 @@ class Forwarder:
         self.metrics = metrics
         self.max_retries = max_retries
         self.on_routed = on_routed
+        self.on_done = on_done
 
     async def forward(
         self,
@@ -173,6 +175,8 @@ class Forwarder:
             self.metrics.inflight.labels(url).set(inst.inflight_requests)
             if resp is not None and not committed:
                 await resp.aclose()
+            if not committed and self.on_done:
+                self.on_done(decision, url)  # this try is over; a retry records anew
         ttft = time.perf_counter() - t0
         self.metrics.ttft.labels(url).observe(ttft)
         if streaming and resp.status_code == 200:
@@ -233,6 +237,8 @@ class Forwarder:
             inst.running_requests -= 1
             self.metrics.running.labels(inst.url).set(inst.running_requests)
             await resp.aclose()
+            if self.on_done:
+                self.on_done(decision, inst.url)
         if complete and resp.status_code == 200 and self.policy.uses_scores:
             reported = parse_usage(bytes(tail), streaming)
             if reported is not None:

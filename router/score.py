@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import reduce
 from operator import or_
 from typing import NamedTuple
@@ -41,9 +41,13 @@ log = logging.getLogger(__name__)
 class Score(NamedTuple):
     gpu_tokens: int
     cpu_tokens: int
+    # vLLM's shared-prefix junction on this instance: the longer GPU prefix full attention
+    # holds when a sparse group cut the hit short (0: none). A request routed there makes
+    # the engine retain sparse state at it (``events.retention``).
+    junction_tokens: int = 0
 
 
-ZERO = Score(0, 0)
+ZERO = Score(0, 0, 0)
 _new = tuple.__new__  # Score(a, b) without NamedTuple's Python-level __new__
 
 
@@ -98,18 +102,21 @@ class _Plan:
         gpu = list(map(get, self.gpu_slots, self.zeros))
         if not self.uniform:
             gpu = [_regroup(m, r, positions) for m, r in zip(gpu, self.ratios, strict=True)]
-        gpu_tokens = rule.hit(gpu, num_prompt_tokens - 1) if any(gpu) else 0
+        gpu_tokens, junction = (
+            rule.hit_and_junction(gpu, num_prompt_tokens - 1) if any(gpu) else (0, 0)
+        )
         if self.offload is None:
-            return _new(Score, (gpu_tokens, 0))
+            return _new(Score, (gpu_tokens, 0, junction))
         # The extension only reads chunks from the one holding the GPU hit end on: with no
         # CPU residency there, it is 0 without evaluating the rule.
         first = gpu_tokens // self.hash_block_size // self.chunk_blocks * self.chunk_blocks
         cpu = list(map(get, self.cpu_slots, self.zeros))
         if not reduce(or_, cpu) >> first:
-            return _new(Score, (gpu_tokens, 0))
+            return _new(Score, (gpu_tokens, 0, junction))
         if not self.uniform:
             cpu = [_regroup(c, r, positions) for c, r in zip(cpu, self.ratios, strict=True)]
-        return _new(Score, (gpu_tokens, self.offload.extension(cpu, num_prompt_tokens, gpu_tokens)))
+        ext = self.offload.extension(cpu, num_prompt_tokens, gpu_tokens)
+        return _new(Score, (gpu_tokens, ext, junction))
 
 
 _plans: dict[tuple[int, bool], _Plan] = {}
@@ -123,6 +130,20 @@ def _plan(layout: InstanceLayout, full_only: bool) -> _Plan:
             _plans.clear()
         p = _plans[key] = _Plan(layout, full_only)
     return p
+
+
+def _merged(found: dict[str, Residency], extra: Mapping[str, Residency]) -> dict[str, Residency]:
+    out = dict(found)
+    for name, res in extra.items():
+        have = out.get(name)
+        if not have:
+            out[name] = res
+            continue
+        both = dict(have)
+        for slot, mask in res.items():
+            both[slot] = both.get(slot, 0) | mask
+        out[name] = both
+    return out
 
 
 def _regroup(mask: int, ratio: int, positions: int) -> int:
@@ -165,12 +186,16 @@ class Scorer:
         block_hashes: Sequence[int],
         num_prompt_tokens: int,
         instances: Sequence[str] | None = None,
+        extra: Mapping[str, Residency] | None = None,
     ) -> dict[str, Score]:
         """Per instance ``Score``; with ``instances`` every one gets an entry (zeros when it
-        holds nothing), without it only instances holding some block of the request."""
+        holds nothing), without it only instances holding some block of the request.
+        ``extra`` (speculative residency) is ORed into the index's before scoring."""
         if block_hashes and type(block_hashes[0]) is not int:
             block_hashes = [to_wire(h) for h in block_hashes]
         found = await self.index.lookup(block_hashes, instances)
+        if extra:
+            found = _merged(found, extra)
         names = found.keys() if instances is None else instances
         n = len(block_hashes)
         out: dict[str, Score] = {}

@@ -1,78 +1,134 @@
-"""Predict-on-route: remember where requests were just sent, before their events land.
+"""Predict-on-route: remember what a just-routed request will leave cached, per group.
 
 An engine publishes a request's ``BlockStored`` events only once it schedules it, and the
 router sees them a few milliseconds to seconds later. Meanwhile a burst of requests with
-the same prefix would all look cold and scatter. So after routing, the router records the
-request's block hashes as speculative residency on the chosen instance for a short TTL;
-the scorer credits the longest speculative prefix (all groups, as a fresh prefill leaves
-every group's blocks on the GPU) when it beats the index.
+the same prefix would all look cold and scatter. So after routing, the router records, for
+a short TTL, the blocks the chosen instance *will* cache for the prompt -- per KV cache
+group, as ``events.retention`` says vLLM keeps them (every full-attention block, only the
+window tails a sliding-window group retains, only the Mamba states at checkpoints) -- and
+the scorer ORs them into the index's GPU residency before the one hit rule runs. Crediting
+every group with every block would predict hits vLLM cannot serve.
+
+An entry lives while its request is in flight and, once the response ends (``settle``),
+until the router next applies a batch of that instance's events (``flush``): the engine
+published what it cached before it answered, so from then on the index is the truth, and
+an entry outliving it could credit blocks the engine has since evicted (that eviction
+comes in such a batch). ``ttl_s`` bounds an entry's life in any case.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from router.index.base import NUM_TIERS, Residency, Tier
 
 __all__ = ["SpeculativeResidency"]
 
+_GPU = int(Tier.GPU)
+
 
 class SpeculativeResidency:
-    def __init__(self, ttl_s: float = 2.0, clock=time.monotonic) -> None:
+    """``hash -> instance -> (expiry, group bitmask)``; read as per-slot position masks."""
+
+    def __init__(self, ttl_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s = ttl_s
         self._clock = clock
-        self._blocks: dict[int, dict[str, float]] = {}  # hash -> instance -> expiry
+        # hash -> instance -> [expiry, group bitmask, requests in flight holding it]
+        self._held: dict[int, dict[str, list]] = {}
+        self._settled: dict[str, list[list[int]]] = {}  # answered, awaiting the next batch
         self._last_purge = clock()
 
-    def record(self, instance: str, block_hashes: Sequence[int]) -> None:
+    def record(self, instance: str, held: Mapping[int, Iterable[int]]) -> list[int]:
+        """``held``: group_idx -> wire hashes that group will cache on ``instance``.
+        Returns the hashes recorded, to :meth:`release` when the request ends."""
         if self.ttl_s <= 0:
-            return
+            return []
         now = self._clock()
         expiry = now + self.ttl_s
-        for h in block_hashes:
-            self._blocks.setdefault(h, {})[instance] = expiry
+        groups_of: dict[int, int] = {}
+        for g, hashes in held.items():
+            bit = 1 << g
+            for h in hashes:
+                groups_of[h] = groups_of.get(h, 0) | bit
+        for h, groups in groups_of.items():
+            holders = self._held.setdefault(h, {})
+            entry = holders.get(instance)
+            if entry is None or entry[0] <= now:
+                holders[instance] = [expiry, groups, 1]
+            else:
+                entry[0], entry[1], entry[2] = expiry, entry[1] | groups, entry[2] + 1
         if now - self._last_purge > self.ttl_s:
             self.purge(now)
+        return list(groups_of)
 
-    def prefix_blocks(
+    def settle(self, instance: str, hashes: list[int]) -> None:
+        """The request that recorded ``hashes`` on ``instance`` has been answered: release
+        them at the next :meth:`flush` of that instance."""
+        self._settled.setdefault(instance, []).append(hashes)
+
+    def flush(self, instance: str) -> None:
+        """A batch of ``instance``'s events was applied: hand settled entries to the index."""
+        for hashes in self._settled.pop(instance, ()):
+            self.release(instance, hashes)
+
+    def release(self, instance: str, hashes: Iterable[int]) -> None:
+        """Drop the entries of one request, unless another request in flight holds them."""
+        for h in hashes:
+            holders = self._held.get(h)
+            entry = holders.get(instance) if holders else None
+            if entry is None:
+                continue
+            entry[2] -= 1
+            if entry[2] <= 0:
+                del holders[instance]  # type: ignore[union-attr]
+                if not holders:
+                    del self._held[h]
+
+    def residency(
         self, block_hashes: Sequence[int], instances: Iterable[str]
-    ) -> dict[str, int]:
-        """Per instance, how many leading blocks of the request are speculatively held."""
+    ) -> dict[str, Residency]:
+        """Per instance, GPU-slot bitmasks over ``block_hashes`` positions (absent: none)."""
+        if not self._held:
+            return {}
         now = self._clock()
-        alive = {name: 0 for name in instances}
-        out: dict[str, int] = {}
+        wanted = set(instances)
+        out: dict[str, Residency] = {}
+        held = self._held
         for i, h in enumerate(block_hashes):
-            holders = self._blocks.get(h)
-            if not holders or not alive:
-                break
-            still = {}
-            for name in alive:
-                exp = holders.get(name)
-                if exp is not None and exp > now:
-                    still[name] = i + 1
-            for name in alive.keys() - still.keys():
-                if i:
-                    out[name] = i
-            alive = still
-        for name, n in alive.items():
-            if n:
-                out[name] = n
+            holders = held.get(h)
+            if not holders:
+                continue
+            bit = 1 << i
+            for name, (expiry, groups, _) in holders.items():
+                if expiry <= now or name not in wanted:
+                    continue
+                res = out.setdefault(name, {})
+                g = 0
+                while groups:
+                    if groups & 1:
+                        slot = g * NUM_TIERS + _GPU
+                        res[slot] = res.get(slot, 0) | bit
+                    groups >>= 1
+                    g += 1
         return out
 
     def forget(self, instance: str) -> None:
-        for holders in self._blocks.values():
+        self._settled.pop(instance, None)
+        for holders in self._held.values():
             holders.pop(instance, None)
         self.purge(self._clock())
 
     def purge(self, now: float) -> None:
         self._last_purge = now
         dead = []
-        for h, holders in self._blocks.items():
-            for name in [n for n, e in holders.items() if e <= now]:
+        for h, holders in self._held.items():
+            for name in [n for n, entry in holders.items() if entry[0] <= now]:
                 del holders[name]
             if not holders:
                 dead.append(h)
         for h in dead:
-            del self._blocks[h]
+            del self._held[h]
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._held)

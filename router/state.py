@@ -78,6 +78,7 @@ class RouterState:
         )
         self.scorer = Scorer(self.index, self.layouts, full_only=s.policy == "prefix_full_only")
         self.speculative = SpeculativeResidency(s.speculative_ttl_s)
+        self.ingest.on_applied = self.speculative.flush
         self.router = Router(
             registry=self.registry,
             scorer=self.scorer,
@@ -97,6 +98,7 @@ class RouterState:
             self.metrics,
             max_retries=s.max_retries,
             on_routed=self.router.routed,
+            on_done=self.router.settled,
         )
         self._layout_task: asyncio.Task[None] | None = None
 
@@ -146,6 +148,7 @@ class RouterState:
                 spec.replay,
                 topic=spec.topic,
                 start_seq=0 if spec.replay else None,
+                bind=spec.bind,
             )
         if probe:
             await self.registry.probe(inst)

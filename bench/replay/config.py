@@ -37,7 +37,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     prefill_tokens_per_s: float = 10_000.0
-    max_model_len: int = 131_072
+    max_model_len: int | None = None  # None: what the engine's GPU blocks hold
     hash_algo: str = "sha256_cbor"
 
     def timing(self, time_scale: float) -> TimingModel:
@@ -62,7 +62,7 @@ class EngineConfig:
             "--prefix-caching-hash-algo": self.hash_algo,
             "--time-scale": time_scale,
         }
-        return [str(x) for kv in args.items() for x in kv]
+        return [str(x) for kv in args.items() if kv[1] is not None for x in kv]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -96,12 +96,15 @@ class _IndexFeed(EventPublisher):
         self.name, self.index, self.layouts = name, index, layouts
         self.seq = 0
         self.batches = 0
+        self.on_applied: Callable[[str], None] | None = None  # as IngestManager's
 
     def publish(self, batch: KVEventBatch) -> None:
         self.layouts.observe(self.name, batch)
         self.index.apply_sync(self.name, batch, seq=self.seq)
         self.seq += 1
         self.batches += 1
+        if self.on_applied is not None:
+            self.on_applied(self.name)
 
     def shutdown(self) -> None:
         return None
@@ -180,6 +183,8 @@ async def _simulate(
         hash_algo=cfg.engine.hash_algo,
         seed=None,
     )
+    for feed in feeds.values():
+        feed.on_applied = router.speculative.flush
     for core in cores.values():
         await core.start()
 
@@ -208,13 +213,12 @@ async def _simulate(
         if policy.uses_scores:
             rec.predicted_hit_tokens = sum(decision.predicted(url))
         ids = list(text.encode())
-        if len(ids) + rec.max_tokens > cfg.engine.max_model_len:
+        if len(ids) + rec.max_tokens > (cfg.engine.max_model_len or 1 << 30):
             rec.error = "prompt longer than max_model_len"
             return
         uncached = decision.uncached(url)
         inst.inflight_requests += 1
         inst.inflight_prefill_tokens += uncached
-        router.routed(decision, url)
         first = True
         try:
             async for out in core.submit(f"r{req.index}", ids, rec.max_tokens):
@@ -234,6 +238,7 @@ async def _simulate(
         except RuntimeError as exc:
             rec.error = str(exc)
         finally:
+            router.settled(decision, url)
             if first:
                 inst.inflight_requests -= 1
                 inst.inflight_prefill_tokens -= uncached

@@ -84,27 +84,47 @@ def create_app(
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return _error(f"invalid request: {exc.errors()[:1]}", 400)
 
-    def _check(model: str | None, prompt_ids: list[int], max_tokens: int) -> JSONResponse | None:
+    def _check(
+        model: str | None, prompt_ids: list[int], max_tokens: int | None
+    ) -> JSONResponse | int:
+        """vLLM's request checks (its messages); the output length to run, or a 4xx."""
         if model is not None and model != model_name:
             return _error(f"The model `{model}` does not exist.", 404, "NotFoundError")
-        if len(prompt_ids) + max_tokens > max_model_len:
-            return _error(
-                f"This model's maximum context length is {max_model_len} tokens; the request "
-                f"has {len(prompt_ids)} prompt tokens and asks for {max_tokens} more.",
-                400,
-            )
         if not prompt_ids:
             return _error("prompt must not be empty", 400)
+        n = len(prompt_ids)
+        if n > max_model_len:
+            return _error(
+                f"This model's maximum context length is {max_model_len} tokens. However, "
+                f"your prompt contains {n} input tokens, which exceeds this limit even "
+                "without any output tokens. Please reduce the length of the input prompt.",
+                400,
+            )
+        if max_tokens is not None and max_tokens > max_model_len:
+            return _error(
+                f"max_tokens={max_tokens} cannot be greater than max_model_len="
+                f"{max_model_len}. Please request fewer output tokens.",
+                400,
+            )
+        room = max_model_len - n  # vLLM clamps the output to the context left
+        out = room if max_tokens is None else min(max_tokens, room)
+        if out < 1 and (max_tokens is None or max_tokens >= 1):
+            return _error(f"max_tokens must be at least 1, got {out}.", 400)
         if any(t >= tokenizer.vocab_size for t in prompt_ids):
             return _error(f"token ids must be < vocab size {tokenizer.vocab_size}", 400)
-        return None
+        return out
 
     async def _run(
-        kind: str, prompt_ids: list[int], max_tokens: int, stream: bool, include_usage: bool
+        kind: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        stream: bool,
+        include_usage: bool,
+        forced_token: int | None = None,
     ) -> Response:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
-        outputs = core.submit(rid, prompt_ids, max_tokens)
+        outputs = core.submit(rid, prompt_ids, max_tokens, forced_token=forced_token)
         if stream:
             gen = _stream(kind, rid, created, outputs, include_usage)
             return StreamingResponse(gen, media_type="text/event-stream")
@@ -197,10 +217,11 @@ def create_app(
             return req
         assert isinstance(req, CompletionRequest)
         ids = _prompt_ids(req.prompt)
-        if (err := _check(req.model, ids, req.max_tokens)) is not None:
-            return err
+        out = _check(req.model, ids, req.output_len)
+        if isinstance(out, JSONResponse):
+            return out
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _run("completion", ids, req.max_tokens, req.stream, usage)
+        return await _run("completion", ids, out, req.stream, usage, req.forced_token)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -209,10 +230,11 @@ def create_app(
             return req
         assert isinstance(req, ChatCompletionRequest)
         ids = _chat_ids(req.messages)
-        if (err := _check(req.model, ids, req.output_len)) is not None:
-            return err
+        out = _check(req.model, ids, req.output_len)
+        if isinstance(out, JSONResponse):
+            return out
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _run("chat", ids, req.output_len, req.stream, usage)
+        return await _run("chat", ids, out, req.stream, usage, req.forced_token)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

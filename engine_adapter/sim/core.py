@@ -22,6 +22,7 @@ from engine_adapter.coordinator import KVCacheManager
 from engine_adapter.request import Request
 from engine_adapter.sim.metrics import EngineMetrics
 from engine_adapter.sim.timing import TimingModel
+from events.groups import MambaSpec
 from events.publisher import EventPublisher, NullEventPublisher
 
 __all__ = ["EngineCore", "RequestOutput", "SchedulerConfig"]
@@ -48,14 +49,18 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
+    """vLLM's scheduler knobs (its CPU defaults: 128 sequences, 2048 tokens a step)."""
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 1 << 30
 
 
 @dataclass(eq=False)
 class _Seq:
     request: Request
     max_tokens: int
+    forced_token: int | None = None  # logit_bias 100: the only token it may sample
     out: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     generated: int = 0
     gpu_hit: int = -1  # -1: not admitted yet; reported hits are the first admission's
@@ -102,6 +107,7 @@ class EngineCore:
         self._stopping = False
         self.healthy = True
         self.steps = 0
+        self._mamba = any(isinstance(spec, MambaSpec) for spec in kv.specs)
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -130,7 +136,12 @@ class EngineCore:
     # ---- requests -----------------------------------------------------------------
 
     async def submit(
-        self, request_id: str, prompt_token_ids: list[int], max_tokens: int
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        *,
+        forced_token: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs until it finishes.
 
@@ -138,7 +149,7 @@ class EngineCore:
         """
         if self._stopping:
             raise RuntimeError("engine is shutting down")
-        seq = _Seq(self.kv.new_request(request_id, prompt_token_ids), max_tokens)
+        seq = _Seq(self.kv.new_request(request_id, prompt_token_ids), max_tokens, forced_token)
         self.waiting.append(seq)
         self._wake.set()
         done = False
@@ -175,60 +186,80 @@ class EngineCore:
                 self.healthy = True
 
     async def _step(self) -> None:
+        """One scheduler step in vLLM 0.33's order (``Scheduler.schedule``)."""
         self._drop_aborted()
+        self.kv.new_step_starts()
         budget = self.config.max_num_batched_tokens
+        max_len = self.config.max_model_len
         scheduled: list[tuple[_Seq, int]] = []
         prefill_tokens = decode_seqs = loaded_tokens = 0
+        preempted = False
 
-        # 1. Running requests first (oldest first); preempt the newest to make room.
+        # 1. Running requests first, in admission order; preempt the newest to make room.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             req = seq.request
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(n, max_len - 1 - req.num_computed_tokens)
+            n = self._mamba_split(req, n)
             if n <= 0:
                 i += 1
                 continue
+            ok = True
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
-                scheduled = [(s, k) for s, k in scheduled if s is not victim]
+                preempted = True
+                for s_, k in scheduled:
+                    if s_ is victim:
+                        budget += k
+                scheduled = [(s_, k) for s_, k in scheduled if s_ is not victim]
                 if victim is seq:
+                    ok = False
                     break
+            if not ok:
+                break
+            scheduled.append((seq, n))
+            budget -= n
+            if req.num_computed_tokens > req.num_prompt_tokens:
+                decode_seqs += 1
             else:
-                scheduled.append((seq, n))
-                budget -= n
-                if req.num_computed_tokens > req.num_prompt_tokens:
-                    decode_seqs += 1
-                else:
-                    prefill_tokens += n
-                i += 1
+                prefill_tokens += n
+            i += 1
 
-        # 2. Admit waiting requests while budget, batch size and blocks allow.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # 2. Admit waiting requests, first come first served, unless this step preempted:
+        # the whole sequence must fit; the first that does not blocks the rest.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
             seq = self.waiting[0]
             req = seq.request
             gpu, cpu = self.kv.lookup(req)
             start = min(gpu + cpu, req.num_tokens - 1)
-            n = min(req.num_tokens - start, budget)
+            n = self._mamba_split(req, min(req.num_tokens - start, budget), start)
+            if n <= 0:
+                break
             try:
-                ok = self.kv.allocate_slots(req, n, gpu, cpu)
+                ok = self.kv.allocate_slots(req, n, gpu, cpu, full_sequence_must_fit=True)
             except LookupError:  # a CPU chunk went away between lookup and load
-                ok = self.kv.allocate_slots(req, n, gpu, 0)
+                ok = self.kv.allocate_slots(req, n, gpu, 0, full_sequence_must_fit=True)
                 cpu = 0
             if not ok:
-                if not self.running and not scheduled:
-                    # Nothing else holds blocks: this request can never fit.
+                if not self.running and not scheduled and self.kv.is_idle():
+                    # Nothing holds a block and it still does not fit: it never will
+                    # (the server checks max_model_len against the pool at start-up).
                     self.waiting.popleft()
-                    seq.out.put_nowait(
-                        RuntimeError(
-                            f"request needs more KV blocks than the engine has ({n} tokens)"
-                        )
-                    )
+                    msg = f"request needs more KV blocks than the engine has ({n} tokens)"
+                    logger.error("%s: %s", req.request_id, msg)
+                    seq.out.put_nowait(RuntimeError(msg))
                     continue
                 break
             self.waiting.popleft()
-            if seq.gpu_hit < 0:
+            if seq.gpu_hit < 0:  # cached_tokens: the first admission's hit
                 seq.gpu_hit, seq.cpu_hit = gpu, cpu
                 self.metrics.on_admitted(req.num_prompt_tokens, gpu, cpu)
             self.running.append(seq)
@@ -254,7 +285,9 @@ class EngineCore:
             if seq.generated >= seq.max_tokens:
                 self._finish(seq, [])
                 continue
-            tok = self.filler[(seq.generated + len(req.prompt_token_ids)) % len(self.filler)]
+            tok = seq.forced_token
+            if tok is None:
+                tok = self.filler[(seq.generated + len(req.prompt_token_ids)) % len(self.filler)]
             if seq.generated == 0:
                 self.metrics.ttft.observe(now - seq.arrival)
             seq.generated += 1
@@ -265,6 +298,32 @@ class EngineCore:
                 seq.out.put_nowait(seq.output([tok], finished=False))
         self.metrics.generation_tokens.inc(sum(1 for s, _ in scheduled if s.generated))
         self._publish()
+
+    def _mamba_split(self, req: Request, n: int, hit: int = 0) -> int:
+        """vLLM's ``_mamba_block_aligned_split``: in "align" mode a prefill chunk ends on
+        a block boundary (where a state can be cached) and stops at the prompt's last
+        reusable boundary and at a shared-prefix junction. 0: cannot advance this step."""
+        if not self._mamba:
+            return n
+        bs = self.kv.alignment
+        start = req.num_computed_tokens + hit
+        prefill_end = max(req.num_prompt_tokens, req.num_tokens - 1)
+        if start >= prefill_end:
+            return n
+        last_cache = (req.num_tokens - 1) // bs * bs
+        end = start + n
+        if end < prefill_end:
+            aligned = end // bs * bs
+            if aligned > start or bs <= self.config.max_num_batched_tokens:
+                end = aligned
+        junction = req.shared_prefix_boundary
+        stops = (
+            (start // bs + 1) * bs if start % bs else 0,
+            last_cache,
+            start + (junction - start) // bs * bs if start < junction < end else 0,
+        )
+        end = min((x for x in stops if start < x < end), default=end)
+        return max(end - start, 0)
 
     def _publish(self) -> None:
         batch = self.kv.step_events()
@@ -281,6 +340,7 @@ class EngineCore:
         """vLLM's recompute preemption: free the blocks, re-queue at the front."""
         self.kv.free(seq.request)
         seq.request.num_computed_tokens = 0
+        seq.request.num_preemptions += 1
         self.waiting.appendleft(seq)
         self.metrics.preemptions.inc()
 

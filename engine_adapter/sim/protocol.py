@@ -16,12 +16,33 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class CompletionRequest(_Lenient):
+class _Sampling(_Lenient):
+    # OpenAI's logit_bias (a bias of 100 makes a token the only choice) and vLLM's
+    # allowed_token_ids: the simulated engine honours the cases that force one token (it
+    # has no logits), so a test can make it and a real vLLM generate the same tokens.
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+
+    @property
+    def forced_token(self) -> int | None:
+        if self.allowed_token_ids and len(set(self.allowed_token_ids)) == 1:
+            return self.allowed_token_ids[0]
+        if not self.logit_bias:
+            return None
+        tok, bias = max(self.logit_bias.items(), key=lambda kv: kv[1])
+        return int(tok) if bias >= 100 and tok.isdigit() else None
+
+
+class CompletionRequest(_Sampling):
     model: str | None = None
     prompt: str | list[int] | list[str]
-    max_tokens: int = Field(16, ge=0, le=1_000_000)
+    max_tokens: int | None = Field(16, ge=0, le=1_000_000)
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @property
+    def output_len(self) -> int | None:
+        return self.max_tokens
 
     @field_validator("prompt")
     @classmethod
@@ -49,7 +70,7 @@ class ChatMessage(_Lenient):
         return v
 
 
-class ChatCompletionRequest(_Lenient):
+class ChatCompletionRequest(_Sampling):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=0, le=1_000_000)
@@ -58,11 +79,11 @@ class ChatCompletionRequest(_Lenient):
     stream_options: StreamOptions | None = None
 
     @property
-    def output_len(self) -> int:
+    def output_len(self) -> int | None:
         for v in (self.max_completion_tokens, self.max_tokens):
             if v is not None:
                 return v
-        return 16
+        return None  # as vLLM: up to the context length
 
 
 class TokenizeRequest(_Lenient):

@@ -18,17 +18,20 @@ from fastapi import FastAPI
 
 from engine_adapter.coordinator import KVCacheManager
 from engine_adapter.offload.manager import OffloadConfig
-from engine_adapter.profiles import get_profile
+from engine_adapter.profiles import ModelProfile, get_profile
 from engine_adapter.sim.app import create_app
 from engine_adapter.sim.core import FILLER_TEXT, EngineCore, SchedulerConfig
 from engine_adapter.sim.timing import TimingModel
 from events.config import KVEventsConfig
+from events.groups import MambaSpec, SlidingWindowSpec
 from events.publisher import create_publisher
 from events.tokenizer import load_tokenizer
 
 __all__ = ["EngineSettings", "build_engine", "serve"]
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 131_072
 
 
 @dataclass
@@ -40,7 +43,8 @@ class EngineSettings:
     model: str = "kvroute-sim"
     name: str | None = None  # how the engine names itself in responses; default host:port
     profile: str = "swa-hybrid"
-    block_size: int = 16
+    layout: str | None = None  # e.g. "swa:64*5,full": overrides the profile's groups
+    block_size: int | None = None  # None: the profile's (vLLM's choice for that family)
     sliding_window: int = 1024
     page_bytes: int = 4096
     gpu_blocks: int = 2048
@@ -53,11 +57,53 @@ class EngineSettings:
     hash_algo: str = "sha256_cbor"
     seed: str | None = None  # NONE_HASH seed (vLLM: PYTHONHASHSEED)
     tokenizer: str | None = None  # None/"byte" or a tokenizer.json path
-    max_model_len: int = 131_072
+    max_model_len: int | None = None  # None: the longest the pool holds (vLLM would refuse)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     timing: TimingModel = field(default_factory=TimingModel)
     data_parallel_rank: int = 0
+
+
+def blocks_for(profile: ModelProfile, max_model_len: int, max_num_batched_tokens: int) -> int:
+    """Blocks one request of ``max_model_len`` tokens may hold at once (vLLM's start-up
+    sizing): every block for full attention, the admission cap for a sliding window (the
+    window plus one step's tokens), the states for Mamba."""
+    need = 0
+    for spec in profile.specs:
+        blocks = -(-max_model_len // spec.block_size)
+        if isinstance(spec, SlidingWindowSpec):
+            span = min(spec.sliding_window - 1 + max_num_batched_tokens, max_model_len)
+            blocks = -(-span // spec.block_size) + 1
+        elif isinstance(spec, MambaSpec):
+            blocks = 2
+        need += blocks
+    return need
+
+
+def resolve_max_model_len(profile: ModelProfile, settings: EngineSettings) -> int:
+    """vLLM's start-up check: a request of ``max_model_len`` tokens must fit the pool, so
+    one that passes the length check never waits forever for blocks. Unset, it is the
+    longest that fits (up to ``DEFAULT_MAX_MODEL_LEN``); set too large, it is an error with
+    vLLM's advice."""
+    usable = settings.gpu_blocks - 1  # block 0 is the null block
+    budget = settings.max_num_batched_tokens
+    if settings.max_model_len is None:
+        lo, hi = 0, DEFAULT_MAX_MODEL_LEN
+        while lo < hi:  # the longest length that fits
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if blocks_for(profile, mid, budget) <= usable else (lo, mid - 1)
+        if lo <= 0:
+            raise ValueError(f"{settings.gpu_blocks} GPU blocks cannot hold any request")
+        return lo
+    need = blocks_for(profile, settings.max_model_len, budget)
+    if need > usable:
+        raise ValueError(
+            f"To serve at least one request with the model's max seq len "
+            f"({settings.max_model_len}), {need} KV blocks are needed, which is more than "
+            f"the {usable} available. Try increasing --gpu-blocks or decreasing "
+            "--max-model-len."
+        )
+    return settings.max_model_len
 
 
 def build_engine(settings: EngineSettings) -> tuple[FastAPI, EngineCore]:
@@ -67,7 +113,9 @@ def build_engine(settings: EngineSettings) -> tuple[FastAPI, EngineCore]:
         block_size=settings.block_size,
         sliding_window=settings.sliding_window,
         page_bytes=settings.page_bytes,
+        layout=settings.layout,
     )
+    max_model_len = resolve_max_model_len(profile, settings)
     offload = None
     if settings.cpu_blocks > 0:
         offload = OffloadConfig(
@@ -84,6 +132,8 @@ def build_engine(settings: EngineSettings) -> tuple[FastAPI, EngineCore]:
         hash_seed=settings.seed,
         enable_kv_cache_events=settings.kv_events is not None
         and settings.kv_events.enable_kv_cache_events,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
     )
     publisher = create_publisher(
         settings.kv_events,
@@ -95,13 +145,15 @@ def build_engine(settings: EngineSettings) -> tuple[FastAPI, EngineCore]:
     core = EngineCore(
         kv,
         timing=settings.timing,
-        scheduler=SchedulerConfig(settings.max_num_seqs, settings.max_num_batched_tokens),
+        scheduler=SchedulerConfig(
+            settings.max_num_seqs, settings.max_num_batched_tokens, max_model_len
+        ),
         publisher=publisher,
         filler_token_ids=filler,
         model_name=settings.model,
     )
     name = settings.name or f"{settings.host}:{settings.port}"
-    app = create_app(core, tokenizer, settings.model, name, settings.max_model_len)
+    app = create_app(core, tokenizer, settings.model, name, max_model_len)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -52,6 +53,9 @@ class IngestManager:
         self._drain_batches = drain_batches
         self._drain_blocks = drain_blocks
         self._feeds: dict[str, Feed] = {}
+        # Called with the instance name after its batches were applied (the router hands
+        # speculative residency over to the index there).
+        self.on_applied: Callable[[str], None] | None = None
         self._beat: asyncio.Task[None] | None = None
         self._watch: asyncio.Task[None] | None = None
         self._closed = False
@@ -64,6 +68,7 @@ class IngestManager:
             source.replay_endpoint,
             source.topic,
             start_seq=start_seq,
+            bind=source.bind,
             replay_timeout=self._replay_timeout,
             name=source.name,
         )
@@ -79,6 +84,7 @@ class IngestManager:
         topic: str = "",
         layout: InstanceLayout | None = None,
         start_seq: int | None = None,
+        bind: bool | None = None,
     ) -> None:
         """Start following an instance; ``layout`` overrides what events would teach."""
         if self._closed:
@@ -87,7 +93,7 @@ class IngestManager:
             raise ValueError(f"instance {name!r} is already ingested")
         if layout is not None:
             self.layouts.configure(name, layout)
-        feed = Feed(InstanceSource(name, endpoint, replay_endpoint, topic), start_seq)
+        feed = Feed(InstanceSource(name, endpoint, replay_endpoint, topic, bind), start_seq)
         self._feeds[name] = feed
         feed.task = asyncio.get_running_loop().create_task(self._run(feed), name=f"ingest-{name}")
         if self._heartbeat_s and self._beat is None:
@@ -286,6 +292,8 @@ class IngestManager:
                 self._count(feed, recs[k], batches[k], status[k])
             counted = upto
             if failed is None:
+                if self.on_applied is not None:
+                    self.on_applied(feed.source.name)
                 return False
             if await self._resync(feed):
                 return True

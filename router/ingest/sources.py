@@ -16,6 +16,7 @@ class InstanceSource:
     endpoint: str
     replay_endpoint: str | None = None
     topic: str = ""
+    bind: bool | None = None  # None: the subscriber's rule (bind a wildcard endpoint)
 
 
 class EventSource(Protocol):

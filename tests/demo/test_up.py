@@ -146,7 +146,7 @@ def test_up_interrupted_mid_run_stops_every_child(tmp_path, sig):
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_up_failure_exits_1_keeps_the_logs_and_stops_every_child(tmp_path):
-    # 8 GPU blocks cannot hold a 1.6k-token prompt: the engine rejects the request.
+    # 8 GPU blocks hold no 1.6k-token prompt: the engine refuses it with vLLM's 400.
     cmd = [*KVROUTE, "up", "--engines", "1", "--conversations", "1", "--turns", "1"]
     cmd += ["--gpu-blocks", "8"]
     env = {**os.environ, "COLUMNS": "300", "TERM": "dumb"}
@@ -155,7 +155,7 @@ def test_up_failure_exits_1_keeps_the_logs_and_stops_every_child(tmp_path):
     )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 1, output
-    assert "KV blocks" in output  # the engine's own error reaches the user
+    assert "maximum context length" in output  # the engine's own error reaches the user
     m = re.search(r"\(logs: (\S+)\)", output)
     assert m, output
     log_dir = Path(m.group(1))

@@ -180,10 +180,14 @@ def test_routers_share_the_redis_service_as_index(compose, parsed):
 
 
 def test_router_hashing_and_model_agree_with_every_engine(parsed):
+    from engine_adapter.profiles import get_profile
+
     engines = _by_kind(parsed, "engine")
     for rname, r in _by_kind(parsed, "router").items():
         for ename, e in engines.items():
-            assert r.block_size == e.block_size, (rname, ename)
+            # The router learns block sizes from events; its default must still agree.
+            engine_bs = get_profile(e.profile, block_size=e.block_size, layout=e.layout).block_size
+            assert r.block_size == engine_bs, (rname, ename)
             assert r.hash_algo == e.hash_algo, (rname, ename)
             assert r.seed == e.seed, (rname, ename)
             assert r.model == e.model, (rname, ename)

@@ -68,8 +68,23 @@ def test_lora_name_enters_hash_and_event_extra_keys() -> None:
     assert ev.extra_keys == [("sql",), ("sql",)]
 
 
+def test_block_zero_is_the_null_block_and_never_handed_out() -> None:
+    pool = BlockPool(5)
+    assert pool.num_usable == pool.num_free_blocks == 4
+    blocks = pool.get_new_blocks(4)
+    assert [b.block_id for b in blocks] == [1, 2, 3, 4]  # ascending from 1, as vLLM
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(1)  # block 0 is not in the free queue
+    assert pool.usage == 1.0
+    pool.free_blocks(blocks)
+    assert pool.num_free_blocks == 4 and pool.usage == 0.0
+    pool.check_invariants()
+    with pytest.raises(ValueError):
+        BlockPool(1)  # only the null block: nothing usable
+
+
 def test_free_queue_is_lru_and_request_tail_is_evicted_first() -> None:
-    kv = full_kv(4)
+    kv = full_kv(5)  # 4 usable blocks + the null block
     state = EventState()
     a = kv.new_request("a", list(range(64)))  # 4 full blocks
     prefill(kv, a, state)
@@ -83,7 +98,7 @@ def test_free_queue_is_lru_and_request_tail_is_evicted_first() -> None:
 
 
 def test_block_removed_only_when_cached_block_is_reused() -> None:
-    kv = full_kv(4)
+    kv = full_kv(5)  # 4 usable blocks + the null block
     a = kv.new_request("a", list(range(64)))
     admit(kv, a)
     kv.take_events()
@@ -101,7 +116,7 @@ def test_block_removed_only_when_cached_block_is_reused() -> None:
 
 
 def test_uncached_blocks_are_reused_before_cached_ones() -> None:
-    pool = BlockPool(4)
+    pool = BlockPool(5)  # 4 usable blocks + the null block
     a, b, c, d = pool.get_new_blocks(4)
     pool.cache_block(a, (b"x" * 32, 0))
     pool.free_blocks([a, b])  # a cached -> back, b uncached -> front
@@ -113,7 +128,7 @@ def test_uncached_blocks_are_reused_before_cached_ones() -> None:
 
 
 def test_duplicate_hash_removed_only_after_both_copies() -> None:
-    kv = full_kv(6)
+    kv = full_kv(7)  # 6 usable blocks + the null block
     state = EventState()
     prompt = list(range(40))  # 2 full blocks + a partial one
     a = kv.new_request("a", prompt)
@@ -135,7 +150,8 @@ def test_duplicate_hash_removed_only_after_both_copies() -> None:
     probe = kv.new_request("p", prompt)
     assert kv.get_computed_blocks(probe) == 32  # b's copies still serve the prefix
     kv.free(filler)
-    more = kv.new_request("m", [8] * 96)  # takes every block, b's copies last
+    # Queue: [b1, b0] + filler's 4 cached blocks appended behind them.
+    more = kv.new_request("m", [8] * 96)  # takes every usable block, b's copies first
     admit(kv, more)
     state.apply_batch(kv.step_events())
     assert h0 not in state.counts and h0 not in kv.residency()
@@ -143,11 +159,12 @@ def test_duplicate_hash_removed_only_after_both_copies() -> None:
 
 
 def test_allocation_failure_changes_nothing() -> None:
-    kv = full_kv(4)
+    kv = full_kv(5)  # 4 usable: a takes 3, one stays free
     a = kv.new_request("a", list(range(48)))
     admit(kv, a)
     kv.take_events()
     free_before = kv.num_free_blocks
+    assert free_before == 1
     b = kv.new_request("b", list(range(100, 164)))
     assert kv.lookup(b) == (0, 0)
     assert not kv.allocate_slots(b, 64)

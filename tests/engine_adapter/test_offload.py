@@ -104,19 +104,40 @@ def test_cpu_events_published_only_after_copy_completes() -> None:
     kv.close()
 
 
+def run_prompt(kv: KVCacheManager, req, state: EventState, gpu: int = 0) -> None:
+    """Compute ``req``'s prompt from ``gpu`` in one step -- for Mamba two: vLLM's
+    scheduler ends a chunk at the replay boundary floor((P - 1) / B) * B -- then free it
+    and apply all events, CPU ones included."""
+    boundary = (req.num_tokens - 1) // BS * BS
+    mamba = any(s.kind == "mamba" for s in kv.specs)
+    chunks = [boundary - gpu, req.num_tokens - boundary] if mamba else [req.num_tokens - gpu]
+    assert kv.allocate_slots(req, chunks[0], gpu, 0)
+    for more in chunks[1:]:
+        state.apply_batch(kv.step_events())
+        kv.new_step_starts()
+        assert kv.allocate_slots(req, more)
+    state.apply_batch(kv.step_events())
+    kv.new_step_starts()
+    kv.free(req)
+    kv.flush()
+    state.apply_batch(kv.step_events())
+
+
 @pytest.mark.parametrize("profile", ["swa-hybrid", "mamba-hybrid"])
 def test_cpu_hit_extends_gpu_hit_across_groups(profile: str) -> None:
     kv = make_kv(profile, num_blocks=64)
     state = EventState()
     rng = random.Random(1)
-    prompt = tokens(rng, 320)  # 20 blocks, 5 chunks per group
+    prompt = tokens(rng, 321)  # 20 full blocks, 5 chunks per group
+    # A shorter sibling leaves the sparse group's state at its replay boundary 192 (SWA:
+    # blocks 8..11, Mamba: block 11) on the GPU; the full prompt then leaves it at 320.
+    a0 = kv.new_request("a0", prompt[:200])
+    run_prompt(kv, a0, state)
     a = kv.new_request("a", prompt)
-    admit(kv, a, chunk=192)  # Mamba states cached at 192 and 320
-    state.apply_batch(kv.step_events())
-    assert kv.allocate_slots(a, 128)
-    kv.free(a)
-    kv.flush()
-    state.apply_batch(kv.step_events())
+    assert kv.lookup(a) == (192, 0)
+    run_prompt(kv, a, state, gpu=192)
+    sparse = [i for i in range(20) if kv.is_cached_on_gpu(a, 1, i)]
+    assert sparse == ([8, 9, 10, 11, 16, 17, 18, 19] if profile == "swa-hybrid" else [11, 19])
     drop_gpu(kv, a, 0, range(12, 20))  # full attention keeps 12 blocks on GPU
     if profile == "mamba-hybrid":
         drop_gpu(kv, a, 1, range(19, 20))  # the state at 320 is only on CPU
@@ -135,13 +156,15 @@ def test_cpu_hit_extends_gpu_hit_across_groups(profile: str) -> None:
     state.apply(events)
     gpu_stored = [e for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM_GPU]
     assert gpu_stored[0].block_hashes == probe.wire_hashes[12:20]  # loaded blocks cached
-    assert gpu_stored[1].block_hashes == probe.wire_hashes[16:20] or profile == "mamba-hybrid"
+    # The sparse group caches only what its replay boundary floor(330/16)*16 = 320 keeps.
+    kept = probe.wire_hashes[16:20] if profile == "swa-hybrid" else probe.wire_hashes[19:20]
+    assert gpu_stored[1].block_hashes == kept
     assert state.counts == kv.residency()
     kv.close()
 
 
 def test_cpu_hit_needs_a_whole_chunk_beyond_gpu_hit() -> None:
-    kv = make_kv("full", num_blocks=9)
+    kv = make_kv("full", num_blocks=10)  # 9 usable blocks + the null block
     state = EventState()
     rng = random.Random(2)
     prompt = tokens(rng, 128)
@@ -156,7 +179,7 @@ def test_cpu_hit_needs_a_whole_chunk_beyond_gpu_hit() -> None:
 
 
 def test_full_attention_cpu_hit_may_cover_the_whole_prompt() -> None:
-    kv = make_kv("full", num_blocks=16)
+    kv = make_kv("full", num_blocks=17)  # 16 usable blocks + the null block
     state = EventState()
     rng = random.Random(3)
     prompt = tokens(rng, 128)
@@ -175,7 +198,7 @@ def test_full_attention_cpu_hit_may_cover_the_whole_prompt() -> None:
 
 
 def test_swa_cpu_lookup_needs_only_the_last_window_of_chunks() -> None:
-    kv = make_kv("swa-hybrid", num_blocks=48, chunks=64)
+    kv = make_kv("swa-hybrid", num_blocks=49, chunks=64)  # 48 usable + the null block
     state = EventState()
     rng = random.Random(4)
     prompt = tokens(rng, 320)

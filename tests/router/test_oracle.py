@@ -50,19 +50,21 @@ class Engine:
         b = self.kv.step_events()
         if b is not None:
             self.publish(b)
+        self.kv.new_step_starts()
 
     def publish(self, b: KVEventBatch) -> None:
         self.pub.publish(b)
         self.seq += 1
 
     def truth(self, req: Request) -> Score:
-        """The hit this engine would take now, without touching its recency state."""
+        """The hit this engine would take now, without touching its recency state, and
+        its shared-prefix junction (where full attention alone would have reached)."""
         kv = self.kv
         gpu = kv.get_computed_blocks(req)
         cpu = 0
         if kv.offload is not None:
             cpu = num_cpu_hit_tokens(kv.specs, req, gpu, kv.tokens_per_chunk, kv.offload.is_ready)
-        return Score(gpu, cpu)
+        return Score(gpu, cpu, req.shared_prefix_boundary)
 
 
 def prompt_for(
@@ -79,12 +81,40 @@ def prompt_for(
     return (base + tail)[:400]
 
 
+def chunk(kv: KVCacheManager, req: Request, n: int, hit: int = 0) -> int:
+    """vLLM's ``_mamba_block_aligned_split`` of a prefill chunk of ``n`` tokens (Mamba
+    "align" mode; others unchanged): a non-final chunk ends on a block boundary, and a
+    chunk stops at the replay boundary floor((num_tokens - 1) / B) * B and at the
+    shared-prefix junction. 0: the request cannot advance this step."""
+    if not any(s.kind == "mamba" for s in kv.specs):
+        return n
+    bs = kv.alignment
+    start = req.num_computed_tokens + hit
+    prefill_end = max(req.num_prompt_tokens, req.num_tokens - 1)
+    if start >= prefill_end:
+        return n
+    end = start + n
+    if end < prefill_end:
+        end = end // bs * bs  # the budget (>= 48 tokens) always exceeds one block
+    junction = req.shared_prefix_boundary
+    stops = (
+        (start // bs + 1) * bs if start % bs else 0,
+        (req.num_tokens - 1) // bs * bs,
+        start + (junction - start) // bs * bs if start < junction < end else 0,
+    )
+    end = min((x for x in stops if start < x < end), default=end)
+    return max(end - start, 0)
+
+
 def advance(e: Engine, rng: random.Random, history: list[list[int]]) -> None:
     """One step of the engine's running requests: prefill chunks, decode, finish."""
     for req in list(e.running):
         left = req.num_tokens - req.num_computed_tokens
         if left > 0:
-            ok = e.kv.allocate_slots(req, min(left, rng.choice([BS * 3, BS * 5, 400])))
+            n = chunk(e.kv, req, min(left, rng.choice([BS * 3, BS * 5, 400])))
+            if n == 0:
+                continue
+            ok = e.kv.allocate_slots(req, n)
         elif rng.random() < 0.35:
             e.kv.free(req)
             e.running.remove(req)
@@ -158,9 +188,10 @@ async def test_scorer_predicts_the_engine_hit_for_every_request(index, profile):
                     mismatches.append((step, e.name, predicted[e.name], actual))
                 if e is target and len(e.running) < 2:
                     gpu, cpu = e.kv.lookup(req)
-                    assert (gpu, cpu) == actual
+                    assert (gpu, cpu) == actual[:2]
                     first = min(req.num_tokens - gpu - cpu, rng.choice([BS * 4, 400])) or 1
-                    if e.kv.allocate_slots(req, first, gpu, cpu):
+                    first = chunk(e.kv, req, first, min(gpu + cpu, req.num_tokens - 1))
+                    if first and e.kv.allocate_slots(req, first, gpu, cpu):
                         e.running.append(req)
             for e in engines:
                 advance(e, rng, history)

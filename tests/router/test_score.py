@@ -42,24 +42,30 @@ def test_full_attention_hit_is_the_cached_prefix_minus_the_last_token():
 
 def test_sliding_window_hit_needs_only_the_blocks_inside_the_window():
     # window 64 tokens -> the 4 blocks before the hit end must be cached; older ones not.
+    # Full attention alone would reach 320: that is the junction the engine reports.
     res = {G0: ones(0, 20), G1: ones(12, 16)}
-    assert score_residency(SWA, res, 20, 20 * 16 + 1) == Score(16 * 16, 0)
+    assert score_residency(SWA, res, 20, 20 * 16 + 1) == Score(16 * 16, 0, 320)
     res[G1] = ones(13, 16) | ones(0, 2)  # no full window anywhere: only the leading run
-    assert score_residency(SWA, res, 20, 20 * 16 + 1) == Score(2 * 16, 0)
+    assert score_residency(SWA, res, 20, 20 * 16 + 1) == Score(2 * 16, 0, 320)
+    res[G1] = ones(16, 20)  # the window ends where full attention does: no junction
+    assert score_residency(SWA, res, 20, 20 * 16 + 1) == Score(320, 0, 0)
 
 
 def test_mamba_hit_lands_on_the_last_cached_state_block():
     res = {G0: ones(0, 20), G1: 1 << 6 | 1 << 13}
-    assert score_residency(MAMBA, res, 20, 20 * 16 + 1) == Score(14 * 16, 0)
+    assert score_residency(MAMBA, res, 20, 20 * 16 + 1) == Score(14 * 16, 0, 320)
     res[G0] = ones(0, 10)  # full attention caps the hit; mamba then needs a state <= 10
-    assert score_residency(MAMBA, res, 20, 20 * 16 + 1) == Score(7 * 16, 0)
+    assert score_residency(MAMBA, res, 20, 20 * 16 + 1) == Score(7 * 16, 0, 160)
+    res[G1] = 1 << 9  # the state right at the full-attention end: no junction
+    assert score_residency(MAMBA, res, 20, 20 * 16 + 1) == Score(160, 0, 0)
 
 
 def test_full_only_baseline_ignores_window_and_mamba_groups():
     res = {G0: ones(0, 20), G1: ones(0, 3)}
-    assert score_residency(SWA, res, 20, 321) == Score(48, 0)
-    assert score_residency(SWA, res, 20, 321, full_only=True) == Score(320, 0)
-    assert score_residency(MAMBA, res, 20, 321, full_only=True) == Score(320, 0)
+    assert score_residency(SWA, res, 20, 321) == Score(48, 0, 320)
+    # The baseline sees full attention only: nothing cuts its hit, so no junction.
+    assert score_residency(SWA, res, 20, 321, full_only=True) == Score(320, 0, 0)
+    assert score_residency(MAMBA, res, 20, 321, full_only=True) == Score(320, 0, 0)
 
 
 def test_cpu_extension_loads_whole_chunks_past_the_gpu_hit():
@@ -119,8 +125,13 @@ def test_mask_scoring_matches_the_engine_rules_on_random_residency(seed):
 
         want = offload_hit(layout.groups, gpu_cached, cpu_cached, n_tokens, 64 * ratio)
         assert want[0] == longest_cache_hit(layout.groups, gpu_cached, n_tokens - 1)
+        # vLLM's shared_prefix_boundary: full attention's own hit (a multiple of the hit
+        # alignment, the LCM of the block sizes) when it is longer than the hybrid hit.
+        full_hit = longest_cache_hit(layout.groups[:1], gpu_cached, n_tokens - 1)
+        full_hit -= full_hit % (bs * ratio)
+        junction = full_hit if full_hit > want[0] else 0
         res = {G0: gpu[0], G1: gpu[1], C0: cpu[0], C1: cpu[1]}
-        assert score_residency(layout, res, npos, n_tokens) == want
+        assert score_residency(layout, res, npos, n_tokens) == (*want, junction)
 
 
 async def test_scorer_scores_candidates_from_either_backend(index):
@@ -139,8 +150,9 @@ async def test_scorer_scores_candidates_from_either_backend(index):
     assert got == {"a": Score(160, 0), "b": Score(64, 64), "c": Score(0, 0)}
     assert await scorer.score(hashes, 12 * 16) == {"a": Score(160, 0), "b": Score(64, 64)}
     await index.apply("a", batch(stored(list(range(10, 12)), 0)))  # SWA group lacks 10, 11
-    assert (await scorer.score(hashes, 12 * 16 + 1, ["a"]))["a"] == Score(160, 0)
-    assert (await baseline.score(hashes, 12 * 16 + 1, ["a"]))["a"] == Score(192, 0)
+    # Full attention alone would now reach 192: the junction where the window cut it.
+    assert (await scorer.score(hashes, 12 * 16 + 1, ["a"]))["a"] == Score(160, 0, 192)
+    assert (await baseline.score(hashes, 12 * 16 + 1, ["a"]))["a"] == Score(192, 0, 0)
 
 
 async def test_scorer_accepts_digest_bytes_and_skips_instances_without_layout(index):

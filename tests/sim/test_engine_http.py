@@ -35,7 +35,7 @@ def swa_engine(tmp_path_factory):
     eng = start_engine(
         tmp_path_factory.mktemp("swa"),
         "--profile", "swa-hybrid", "--sliding-window", "64", "--gpu-blocks", "256",
-        "--time-scale", "50",
+        "--max-model-len", "1024", "--time-scale", "50",
     )  # fmt: skip
     yield eng
     eng.stop()
@@ -62,8 +62,13 @@ async def test_repeated_prompt_hits_gpu_and_events_cover_every_group(swa_engine)
     assert by_group[0].kv_cache_spec_kind == "full_attention"
     assert by_group[1].kv_cache_spec_kind == "sliding_window"
     assert by_group[1].kv_cache_spec_sliding_window == 64
-    for g in (0, 1):  # /tokenize's tokens hash to exactly what the engine published
-        assert by_group[g].block_hashes == want
+    # /tokenize's tokens hash to exactly what the engine published. Full attention keeps
+    # every block; the window only the cdiv(64 - 1, 16) = 4 blocks before the replay
+    # boundary -- all the resend above needed for its hit.
+    end = full_hit // 16
+    assert by_group[0].block_hashes == want
+    assert by_group[1].block_hashes == want[end - 4 : end]
+    for g in (0, 1):  # both events cover every full block's tokens
         assert by_group[g].token_ids == tokens[: len(want) * 16]
         assert by_group[g].parent_block_hash is None
 
@@ -93,18 +98,37 @@ async def test_streaming_completion_and_chat_with_usage(swa_engine):
             assert len(text.encode()) == 4  # byte-level tokenizer: one byte per token
 
 
-async def test_chat_multi_turn_reuses_generated_tokens(swa_engine):
+async def test_chat_next_turn_resumes_at_the_first_prompt_window_and_a_sibling_at_the_junction(
+    swa_engine,
+):
     msgs = [{"role": "user", "content": "Tell me about prefix caching in detail. " * 3}]
     async with httpx.AsyncClient(base_url=swa_engine.url, timeout=30) as client:
+
+        async def turn(last: str, reply: str) -> tuple[int, int]:
+            conv = [
+                *msgs,
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": last},
+            ]
+            r = await client.post("/v1/chat/completions", json={"messages": conv, "max_tokens": 1})
+            usage = r.json()["usage"]
+            return usage["prompt_tokens"], usage["kv_hit"]["gpu_tokens"]
+
         r1 = await client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 40})
         reply = r1.json()["choices"][0]["message"]["content"]
-        msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": "More."}]
-        r2 = await client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1})
-    first_prompt = r1.json()["usage"]["prompt_tokens"]
-    hit = r2.json()["usage"]["kv_hit"]["gpu_tokens"]
-    # The second turn reuses the first prompt *and* the generated reply's full blocks.
-    assert hit > first_prompt
-    assert hit % 16 == 0
+        first_prompt = r1.json()["usage"]["prompt_tokens"]
+        second_prompt, second_hit = await turn("More.", reply)
+        _, sibling_hit = await turn("Less.", reply)
+        _, resend_hit = await turn("More.", reply)
+    # Full attention holds the reply's blocks too, but the window group hashes no decode
+    # block: the next turn resumes at the first prompt's replay boundary.
+    assert second_hit == (first_prompt - 1) // 16 * 16 < first_prompt
+    # That lookup's junction (where full attention alone reached, inside the reply) made
+    # the second turn keep its window there too, so a sibling turn branching after the
+    # reply reuses the reply. (The second turn's replay window alone sits past the
+    # branch: the sibling would fall back to the first prompt's window.)
+    assert first_prompt < sibling_hit < second_prompt
+    assert resend_hit == (second_prompt - 1) // 16 * 16
 
 
 @pytest.mark.parametrize(
@@ -117,7 +141,13 @@ async def test_chat_multi_turn_reuses_generated_tokens(swa_engine):
         ("/v1/completions", b'{"prompt": []}', 400, "empty"),
         ("/v1/completions", b'{"prompt": [1, 99999]}', 400, "vocab"),
         ("/v1/completions", b'{"prompt": "x", "model": "other"}', 404, "does not exist"),
-        ("/v1/completions", b'{"prompt": "x", "max_tokens": 999999}', 400, "context length"),
+        (
+            "/v1/completions",
+            b'{"prompt": "x", "max_tokens": 999999}',
+            400,
+            "cannot be greater than max_model_len=1024",
+        ),
+        ("/v1/completions", b'{"prompt": "' + b"a" * 1100 + b'"}', 400, "context length is 1024"),
         ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
         ("/tokenize", b"{}", 400, "prompt or messages"),
     ],
@@ -162,8 +192,8 @@ def test_models_health_and_metrics(swa_engine):
 async def test_gpu_overflow_spills_to_cpu_and_later_hits_cpu(tmp_path):
     eng = start_engine(
         tmp_path,
-        "--profile", "full", "--gpu-blocks", "48", "--cpu-blocks", "256",
-        "--blocks-per-chunk", "4", "--time-scale", "50",
+        "--profile", "full", "--gpu-blocks", "48", "--max-model-len", "752",
+        "--cpu-blocks", "256", "--blocks-per-chunk", "4", "--time-scale", "50",
     )  # fmt: skip
     try:
         prompts = [f"[{i}] " + f"document {i} body text. " * 30 for i in range(4)]
@@ -187,7 +217,9 @@ async def test_gpu_overflow_spills_to_cpu_and_later_hits_cpu(tmp_path):
 
 
 def test_sigterm_shuts_down_cleanly(tmp_path):
-    eng = start_engine(tmp_path, "--profile", "mamba-hybrid", "--time-scale", "50")
+    eng = start_engine(
+        tmp_path, "--profile", "mamba-hybrid", "--max-model-len", "4096", "--time-scale", "50"
+    )
     r = httpx.post(eng.url + "/v1/completions", json={"prompt": "bye " * 20, "max_tokens": 2})
     assert r.status_code == 200
     assert eng.stop(signal.SIGTERM) == 0

@@ -1,0 +1,60 @@
+"""``--instance URL=<vLLM's --kv-events-config JSON>``: the router subscribes where vLLM
+publishes, binding when vLLM connects (vLLM's bind/connect rule), connecting otherwise."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from router.config import parse_instance
+
+
+def _cfg(**kw: object) -> str:
+    return json.dumps({"enable_kv_cache_events": True, **kw})
+
+
+def test_wildcard_endpoint_is_reached_at_the_instance_host():
+    spec = parse_instance(
+        "http://10.1.2.3:8000="
+        + _cfg(endpoint="tcp://*:5557", replay_endpoint="tcp://*:5558", topic="kv")
+    )
+    assert spec.events == "tcp://10.1.2.3:5557"
+    assert spec.replay == "tcp://10.1.2.3:5558"
+    assert spec.topic == "kv"
+    assert spec.bind is False  # vLLM binds a wildcard: the router connects
+
+
+def test_concrete_endpoint_means_vllm_connects_so_the_router_binds():
+    spec = parse_instance("http://127.0.0.1:8000=" + _cfg(endpoint="tcp://127.0.0.1:6000"))
+    assert (spec.events, spec.bind, spec.replay) == ("tcp://127.0.0.1:6000", True, None)
+
+
+def test_ipc_endpoint_is_bound_by_vllm_and_connected_to_by_the_router():
+    spec = parse_instance("http://127.0.0.1:8000=" + _cfg(endpoint="ipc:///tmp/kv.sock"))
+    assert (spec.events, spec.bind) == ("ipc:///tmp/kv.sock", False)
+
+
+def test_vllm_default_endpoint_and_disabled_events():
+    spec = parse_instance("http://[::1]:8000=" + _cfg())  # vLLM's default tcp://*:5557
+    assert spec.events == "tcp://[::1]:5557"
+    off = parse_instance("http://h:8000=" + json.dumps({"enable_kv_cache_events": False}))
+    assert off.events is None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ['{"enable_kv_cache_events": true, "endpoint": "http://x"}', '{"endpont": "tcp://*:1"}', "{"],
+)
+def test_bad_kv_events_config_is_a_clear_error(bad: str):
+    with pytest.raises(ValueError):
+        parse_instance("http://127.0.0.1:8000=" + bad)
+
+
+def test_legacy_form_still_parses():
+    spec = parse_instance("http://127.0.0.1:8000=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558")
+    assert (spec.events, spec.replay, spec.bind) == (
+        "tcp://127.0.0.1:5557",
+        "tcp://127.0.0.1:5558",
+        None,
+    )
