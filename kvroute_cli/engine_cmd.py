@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from kvroute_cli.extras import require_extras
+
 
 def engine(
     host: str = typer.Option("127.0.0.1", help="Bind address (loopback by default)."),
@@ -46,6 +48,7 @@ def engine(
 ) -> None:
     """Serve /v1/completions, /v1/chat/completions, /tokenize, /metrics over a simulated
     hybrid KV cache, publishing vLLM KV events over ZMQ."""
+    require_extras("kvroute engine", "engine")
     from engine_adapter.sim.server import EngineSettings, serve
     from engine_adapter.sim.timing import TimingModel
     from events.config import KVEventsConfig

@@ -14,17 +14,25 @@ import contextlib
 import logging
 import re
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
 from router.config import InstanceSpec
+from router.engine_metrics import parse_engine_metrics
 
 __all__ = ["Instance", "InstanceRegistry"]
 
 log = logging.getLogger(__name__)
 
 _WAITING = re.compile(rb"^vllm:num_requests_waiting(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
+_CACHE_INFO = re.compile(rb"^vllm:cache_config_info\{([^}]*)\}", re.M)
+# vLLM 0.33 labels the size it settled on ``effective_attention_block_size``; older ones
+# only ``block_size``.
+_BLOCK_SIZE = (
+    re.compile(rb'\beffective_attention_block_size="(\d+)"'),
+    re.compile(rb'(?:^|,)block_size="(\d+)"'),
+)
 
 
 @dataclass(eq=False)
@@ -37,9 +45,13 @@ class Instance:
     inflight_prefill_tokens: int = 0
     running_requests: int = 0  # streams still open
     engine_waiting: int = 0
+    engine_block_size: int | None = None  # vllm:cache_config_info, the size vLLM chose
     served: int = 0
     errors: int = 0
     down_since: float | None = None
+    # The engine's own load, KV usage and prefix-cache counters from its /metrics
+    # (``router.engine_metrics``), as of the last probe; shown by /dashboard.
+    engine_stats: dict[str, float] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -62,6 +74,7 @@ class InstanceRegistry:
         successes: int = 1,
         read_metrics: bool = True,
         on_change: OnChange | None = None,
+        on_block_size: Callable[[str, int], None] | None = None,
     ) -> None:
         self._client = client
         self.interval_s = interval_s
@@ -70,6 +83,7 @@ class InstanceRegistry:
         self.successes = successes
         self.read_metrics = read_metrics
         self.on_change = on_change
+        self.on_block_size = on_block_size
         self._instances: dict[str, Instance] = {}
         self._task: asyncio.Task[None] | None = None
 
@@ -158,3 +172,11 @@ class InstanceRegistry:
         m = _WAITING.search(r.content)
         if m:
             inst.engine_waiting = int(float(m.group(1)))
+        info = _CACHE_INFO.search(r.content)
+        found = [p.search(info.group(1)) for p in _BLOCK_SIZE] if info else []
+        b = next((m for m in found if m), None)
+        if b and int(b.group(1)) != inst.engine_block_size:
+            inst.engine_block_size = int(b.group(1))
+            if self.on_block_size is not None:
+                self.on_block_size(inst.url, inst.engine_block_size)
+        inst.engine_stats = parse_engine_metrics(r.content)

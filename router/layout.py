@@ -93,6 +93,7 @@ class LayoutRegistry:
         self._seen: dict[str, dict[int, tuple[str | None, int | None, int]]] = {}
         self._chunk: dict[str, int] = {}  # tokens per CPU chunk, from self-describing events
         self._warned: set[str] = set()  # instances whose block size disagreed (warned once)
+        self._hinted: dict[str, InstanceLayout] = {}  # default groups at the engine's size
 
     def configure(self, instance: str, layout: InstanceLayout | None) -> None:
         if layout is None:
@@ -101,7 +102,20 @@ class LayoutRegistry:
             self._configured[instance] = layout
 
     def get(self, instance: str) -> InstanceLayout | None:
-        return self._configured.get(instance) or self._learned.get(instance) or self.default
+        return (
+            self._configured.get(instance)
+            or self._learned.get(instance)
+            or self._hinted.get(instance)
+            or self.default
+        )
+
+    def hint_block_size(self, instance: str, block_size: int) -> None:
+        """The engine's block size from its ``/metrics`` (``vllm:cache_config_info``):
+        until its events teach the groups, hash its requests at that size."""
+        if self.default is None or block_size <= 0:
+            return
+        groups = tuple(_resize(g, block_size) for g in self.default.groups)
+        self._hinted[instance] = InstanceLayout(groups)
 
     def learned(self, instance: str) -> InstanceLayout | None:
         return self._learned.get(instance)
@@ -112,10 +126,13 @@ class LayoutRegistry:
             return "configured"
         if instance in self._learned:
             return "learned from events"
+        if instance in self._hinted:
+            return "no events yet: block size from the engine's /metrics"
         return "default: no events from this instance yet" if self.default else "none"
 
     def forget(self, instance: str) -> None:
         self._learned.pop(instance, None)
+        self._hinted.pop(instance, None)
         self._seen.pop(instance, None)
         self._chunk.pop(instance, None)
 

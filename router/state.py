@@ -70,6 +70,7 @@ class RouterState:
             successes=s.health_successes,
             read_metrics=s.engine_metrics,
             on_change=self._health_changed,
+            on_block_size=self.layouts.hint_block_size,
         )
         self.policy = make_policy(
             s.policy,

@@ -130,9 +130,13 @@ def create_app(
             return StreamingResponse(gen, media_type="text/event-stream")
         token_ids: list[int] = []
         last: RequestOutput | None = None
-        async for out in outputs:
-            token_ids.extend(out.new_token_ids)
-            last = out
+        try:
+            async for out in outputs:
+                token_ids.extend(out.new_token_ids)
+                last = out
+        except RuntimeError as exc:  # the engine failed the request: say why, now
+            logger.error("request %s failed: %s", rid, exc)
+            return _error(str(exc), 500, "InternalServerError")
         assert last is not None
         text = tokenizer.decode(token_ids)
         if kind == "chat":

@@ -98,7 +98,7 @@ class EngineCore:
         self.config = scheduler or SchedulerConfig()
         self.publisher = publisher or NullEventPublisher()
         self.filler = filler_token_ids or list(FILLER_TEXT.encode())
-        self.metrics = EngineMetrics(model_name)
+        self.metrics = EngineMetrics(model_name, kv.block_size)
         self.registry = self.metrics.registry
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []

@@ -8,9 +8,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 class EngineMetrics:
     """One registry per engine (several engines can live in one test process)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, block_size: int | None = None) -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, {"model_name": model_name}
+        if block_size is not None:
+            # vLLM's info gauge: routers read the block size the engine really uses here
+            # before its first KV event arrives.
+            Gauge(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                ["block_size", "enable_prefix_caching", "engine"],
+                registry=r,
+            ).labels(str(block_size), "True", "0").set(1)
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, list(labels), registry=r).labels(**labels)

@@ -10,10 +10,6 @@ from ``bench.chaos.procs``, so ports never collide with other test helpers).
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import functools
-import hashlib
-import json
 import logging
 import os
 import signal
@@ -29,6 +25,15 @@ import httpx
 import zmq
 
 from bench.chaos.procs import free_port, ipc_endpoint
+from engine_adapter.vllm_cpu import (
+    MAKE_MODELS,
+    MODEL_NAMES,
+    ensure_models,
+    models_hash,
+    server_argv,
+    server_env,
+    vllm_python,
+)
 from events.codec import DecodeError, decode_batch
 from events.structs import BlockRemoved, BlockStored, KVEvent, KVEventBatch
 
@@ -58,81 +63,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parent.parent.parent
-VENV_SCRIPT = REPO / "scripts" / "vllm-venv.sh"
-MAKE_MODELS = Path(__file__).resolve().parent / "make_models.py"
-MODEL_NAMES = ("gemma3", "qwen3next", "llama")
 LOOPBACK = "127.0.0.1"
 END_SEQ = b"\xff" * 8
-
-
-# ---- venv and models ------------------------------------------------------------------------
-
-
-@functools.cache
-def vllm_python() -> Path:
-    """The vLLM venv's python, installing the venv first when needed (minutes, once).
-
-    Never skips: a missing vLLM is installed, not hidden behind a skipped test.
-    """
-    t0 = time.monotonic()
-    proc = subprocess.run(
-        ["bash", str(VENV_SCRIPT)], capture_output=True, text=True, timeout=3600, check=False
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"{VENV_SCRIPT} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    python = Path(proc.stdout.strip().splitlines()[-1])
-    logger.info("vLLM python %s (%.1f s)", python, time.monotonic() - t0)
-    return python
-
-
-def models_hash() -> str:
-    """Cache key of the models: the same hash make_models.py writes into its stamp."""
-    return hashlib.sha256(MAKE_MODELS.read_bytes()).hexdigest()[:16]
-
-
-def ensure_models(cache_dir: Path | None = None, python: Path | None = None) -> Path:
-    """Dir holding ``gemma3``, ``qwen3next`` and ``llama``; made once per make_models.py.
-
-    ``cache_dir`` defaults to ``$KVROUTE_VLLM_MODELS`` or ``~/.cache/kvroute/vllm-models``;
-    a file lock keeps concurrent sessions from writing the same dir at once.
-    """
-    root = cache_dir or Path(
-        os.environ.get("KVROUTE_VLLM_MODELS", Path.home() / ".cache/kvroute/vllm-models")
-    )
-    digest = models_hash()
-    out = Path(root) / digest
-    stamp = out / ".stamp"
-    if stamp.is_file() and stamp.read_text().strip() == digest:
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f"{digest}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (stamp.is_file() and stamp.read_text().strip() == digest):
-            py = python or vllm_python()
-            proc = subprocess.run(
-                [str(py), str(MAKE_MODELS), str(out)],
-                capture_output=True,
-                text=True,
-                timeout=600,
-                env=_offline_env(),
-                check=False,
-            )
-            if proc.returncode != 0:
-                raise RuntimeError(f"make_models.py failed:\n{proc.stderr[-4000:]}")
-            logger.info("made models in %s", out)
-    return out
-
-
-def _offline_env() -> dict[str, str]:
-    """Nothing can be fetched here: fail fast instead of waiting on hub timeouts."""
-    env = dict(os.environ)
-    env.update(
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1",
-    )
-    return env
 
 
 # ---- KV events config ----------------------------------------------------------------------
@@ -220,35 +152,19 @@ class VllmServer:
         self.port = port or free_port()
         self.served_model_name = served_model_name or Path(model_dir).name
         self.kv_events_config = kv_events_config
-        argv = [
-            str(self.python),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model_dir),
-            "--served-model-name",
-            self.served_model_name,
-            "--host",
-            LOOPBACK,
-            "--port",
-            str(self.port),
-            "--enforce-eager",
-            "--enable-prefix-caching",
-            "--prefix-caching-hash-algo",
-            "sha256_cbor",
-            "--enable-prompt-tokens-details",
-            "--max-model-len",
-            str(max_model_len),
-        ]
-        if kv_events_config is not None:
-            argv += ["--kv-events-config", json.dumps(kv_events_config)]
-        if block_size is not None:
-            argv += ["--block-size", str(block_size)]
-        if num_gpu_blocks is not None:
-            argv += ["--num-gpu-blocks-override", str(num_gpu_blocks)]
-        if max_num_batched_tokens is not None:
-            argv += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
-        argv += list(extra_args)
+        argv = server_argv(
+            self.python,
+            model_dir,
+            port=self.port,
+            served_model_name=self.served_model_name,
+            kv_events_config=kv_events_config,
+            block_size=block_size,
+            num_gpu_blocks=num_gpu_blocks,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            host=LOOPBACK,
+            extra_args=extra_args,
+        )
         self._argv = argv
         self._launch()
         if wait:
@@ -256,9 +172,7 @@ class VllmServer:
         return self
 
     def _launch(self) -> None:
-        env = _offline_env()
-        env.pop("PYTHONHASHSEED", None)  # NONE_HASH seed is then the fixed "vllm-none-hash"
-        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+        env = server_env()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self._log_offset = log.tell()
@@ -428,18 +342,11 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
     return resp.json()
 
 
-def complete(
-    url: str,
-    prompt: str | list[int],
-    max_tokens: int = 1,
-    *,
-    model: str | None = None,
-    timeout: float = 300.0,
-    **extra: Any,
-) -> CompletionResult:
-    """Greedy /v1/completions that always generates ``max_tokens`` (``ignore_eos``)."""
+def _generate(url: str, path: str, field: str, value: Any, max_tokens: int, **kw: Any) -> dict:
+    """Greedy generation of exactly ``max_tokens`` (``ignore_eos``), ids returned."""
+    model, timeout = kw.pop("model", None), kw.pop("timeout", 300.0)
     body: dict[str, Any] = {
-        "prompt": prompt,
+        field: value,
         "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
@@ -447,33 +354,23 @@ def complete(
     }
     if model is not None:
         body["model"] = model
-    body.update(extra)
-    out = _post(f"{url}/v1/completions", body, timeout)
+    return _post(f"{url}{path}", body | kw, timeout)
+
+
+def complete(
+    url: str, prompt: str | list[int], max_tokens: int = 1, **extra: Any
+) -> CompletionResult:
+    """/v1/completions (``model``, ``timeout`` and any body field as keywords)."""
+    out = _generate(url, "/v1/completions", "prompt", prompt, max_tokens, **extra)
     choice = out["choices"][0]
     return _result(out, choice.get("text") or "", choice)
 
 
 def chat(
-    url: str,
-    messages: list[dict[str, Any]],
-    max_tokens: int = 1,
-    *,
-    model: str | None = None,
-    timeout: float = 300.0,
-    **extra: Any,
+    url: str, messages: list[dict[str, Any]], max_tokens: int = 1, **extra: Any
 ) -> CompletionResult:
-    """Greedy /v1/chat/completions, same conventions as ``complete``."""
-    body: dict[str, Any] = {
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    if model is not None:
-        body["model"] = model
-    body.update(extra)
-    out = _post(f"{url}/v1/chat/completions", body, timeout)
+    """/v1/chat/completions, same conventions as ``complete``."""
+    out = _generate(url, "/v1/chat/completions", "messages", messages, max_tokens, **extra)
     choice = out["choices"][0]
     return _result(out, (choice.get("message") or {}).get("content") or "", choice)
 

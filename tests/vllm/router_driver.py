@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 from harness import REPO, VllmServer, fetch_replay, free_port
-from workload import Step
+from workload import Step, next_messages, record_reply
 
 ADMIN_TOKEN = "conformance"
 
@@ -139,6 +139,16 @@ class RouterUnderTest:
             return "/v1/chat/completions", body
         return "/v1/completions", body
 
+    def layouts(self) -> dict[str, tuple[int, str]]:
+        """Per instance, the hash block size the router uses now and where it came from."""
+        body = {"prompt": "x" * 64, "model": self.servers[0].served_model_name}
+        r = httpx.post(f"{self.url}/debug/route", json=body, timeout=30)
+        r.raise_for_status()
+        return {
+            c["instance"]: (c["hash_block_size"], c["layout_source"])
+            for c in r.json()["candidates"]
+        }
+
     def explain(self, path: str, body: dict[str, Any]) -> dict[str, int]:
         r = httpx.post(f"{self.url}/debug/route", json=body, timeout=30)
         r.raise_for_status()
@@ -163,11 +173,25 @@ class RouterUnderTest:
             max(others, default=0),
         )
 
-    async def send_all(self, steps: list[Step], spacing_s: float = 0.02) -> list[Outcome]:
+    def run_sequential(
+        self, steps: list[Step], chats: dict[int, list[dict[str, str]]]
+    ) -> list[Outcome]:
+        """Send ``steps`` one after another, each after the router applied the events of
+        the one before (chat steps continue ``chats`` with vLLM's replies)."""
+        rows = []
+        for step in steps:
+            msgs = next_messages(chats, step, None) if step.chat_key is not None else None
+            out, reply = self.send(step, msgs)
+            record_reply(chats, step, reply)
+            rows.append(out)
+            self.sync()
+        return rows
+
+    async def send_all(self, steps: list[Step], spacing_s: float = 0.05) -> list[Outcome]:
         """Send ``steps`` as one burst: all in flight together, arriving ``spacing_s``
         apart. Sent in the same instant, two requests on separate connections can reach
         vLLM's scheduler in either order -- which decides which of them hits -- and no
-        router can know that order; 20 ms keeps the arrival order without waiting for any
+        router can know that order; 50 ms keeps the arrival order without waiting for any
         request's prefill (hundreds of ms) or events."""
         import asyncio
 

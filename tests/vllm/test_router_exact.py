@@ -12,13 +12,17 @@ that share a new prefix (predict-on-route), then one instance is killed and rest
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import subprocess
+import sys
+import time
 from typing import Any
 
 import pytest
 from harness import bind_mode_config, connect_mode_config, free_port
 from router_driver import Outcome, RouterUnderTest
-from workload import burst, mixed_stream, next_messages, record_reply
+from workload import burst, mixed_stream
 
 pytestmark = pytest.mark.vllm
 log = logging.getLogger(__name__)
@@ -31,6 +35,41 @@ BLOCK_FLAGS: dict[str, tuple[int | None, int | None]] = {
     "qwen3next": (None, None),
 }
 POOL = {"llama": 64, "gemma3": 240, "qwen3next": 48}
+
+
+def _wait_for(read: Any, ok: Any, timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = read()
+        if ok(value):
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met: {value}")
+        time.sleep(0.1)
+
+
+def _events_tail_prints_vllm_events(cfg: dict[str, Any]) -> None:
+    """``kvroute events tail`` pointed at a real vLLM prints its events as JSON lines."""
+    cmd = [sys.executable, "-m", "kvroute_cli.main", "events", "tail", cfg["endpoint"]]
+    cmd += ["--replay", cfg["replay_endpoint"], "--from-seq", "0", "--count", "5"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert len(lines) == 5, out
+    assert all(ln.get("seq", -1) >= 0 for ln in lines), lines
+    assert {"BlockStored"} <= {ln.get("type") for ln in lines}, lines
+
+
+def _remote_tokenizer_is_exact_for_chat(a: Any, b: Any, tmp_path: Any) -> None:
+    """With ``--tokenizer remote`` the router asks vLLM's ``/tokenize`` (which applies the
+    model's own chat template); predictions stay exact for multi-turn chats."""
+    router = RouterUnderTest([a, b], tmp_path / "router-remote").start("--tokenizer", "remote")
+    try:
+        steps = [s for s in mixed_stream(seed=13, n=40) if s.chat_key is not None][:8]
+        rows = router.run_sequential(steps, {})
+        assert _report("llama", "chat, remote tokenizer", rows) == len(rows)
+        assert any(r.cached > 0 for r in rows)
+    finally:
+        router.stop()
 
 
 def _report(model: str, phase: str, rows: list[Outcome]) -> int:
@@ -64,15 +103,15 @@ def test_router_predicts_vllm_cached_tokens(model: str, vllm_server: Any, tmp_pa
     b = vllm_server(model, kv_events_config=cfg_b, block_size=bs_b, **common)
     router = RouterUnderTest([a, b], tmp_path / "router").start()
     try:
+        # 0. Before any event, the router hashes at the block size vLLM reports in its
+        # /metrics (vllm:cache_config_info), not at its own default of 16.
+        hinted = _wait_for(router.layouts, lambda m: all("metrics" in s for _, s in m.values()))
         # 1. Sequential: every prediction exact, and the request goes where the hit is.
         chats: dict[int, list[dict[str, str]]] = {}
-        rows: list[Outcome] = []
-        for step in mixed_stream(seed=11, n=48):
-            msgs = next_messages(chats, step, None) if step.chat_key is not None else None
-            out, reply = router.send(step, msgs)
-            record_reply(chats, step, reply)
-            rows.append(out)
-            router.sync()
+        rows = router.run_sequential(mixed_stream(seed=11, n=48), chats)
+        learned = router.layouts()
+        assert all("learned" in src for _, src in learned.values()), learned
+        assert {u: bs for u, (bs, _) in hinted.items()} == {u: bs for u, (bs, _) in learned.items()}
         exact = _report(model, "sequential", rows)
         assert exact == len(rows)
         assert sum(r.cached > 0 for r in rows) >= len(rows) // 4, "the stream hit too rarely"
@@ -82,7 +121,7 @@ def test_router_predicts_vllm_cached_tokens(model: str, vllm_server: Any, tmp_pa
 
         # 2. Bursts sharing a new prefix: predict-on-route keeps them exact enough.
         burst_rows: list[Outcome] = []
-        for seed in (1, 2, 3, 4):
+        for seed in (1, 2, 3, 4, 5):
             burst_rows += asyncio.run(router.send_all(burst(seed, size=6)))
             router.sync()
         burst_exact = _report(model, "bursts", burst_rows)
@@ -93,15 +132,11 @@ def test_router_predicts_vllm_cached_tokens(model: str, vllm_server: Any, tmp_pa
         b.kill()
         b.restart()
         router.forget_seqs(b)
-        deadline_rows: list[Outcome] = []
-        for step in mixed_stream(seed=12, n=16):
-            msgs = next_messages(chats, step, None) if step.chat_key is not None else None
-            out, reply = router.send(step, msgs)
-            record_reply(chats, step, reply)
-            deadline_rows.append(out)
-            router.sync()
-        after = _report(model, "after restart", deadline_rows)
-        assert after == len(deadline_rows)
+        restarted = router.run_sequential(mixed_stream(seed=12, n=16), chats)
+        assert _report(model, "after restart", restarted) == len(restarted)
+        if model == "llama":
+            _events_tail_prints_vllm_events(cfg_a)
+            _remote_tokenizer_is_exact_for_chat(a, b, tmp_path)
     finally:
         router.stop()
     text = router.log_path.read_text()

@@ -1,0 +1,92 @@
+"""Predict-on-route credits only what vLLM retains, and hands over to the index cleanly.
+
+A just-routed prompt leaves every full-attention block cached but, under vLLM's sparse
+retention, only the sliding-window tail / Mamba state at ``floor((P-1)/B)*B`` (and at the
+shared-prefix junction). A speculative entry crediting more would predict hits vLLM cannot
+serve (a branch inside the prompt); one dropped before the index has the engine's events
+would predict misses.
+"""
+
+from __future__ import annotations
+
+from events.groups import FullAttentionSpec, MambaSpec, SlidingWindowSpec, hit_rule
+from events.retention import retained_prompt_blocks
+from router.layout import InstanceLayout, LayoutRegistry
+from router.speculative import SpeculativeResidency
+
+BS = 32
+GEMMA = (SlidingWindowSpec(BS, 64),) * 5 + (FullAttentionSpec(BS),)
+QWEN = (MambaSpec(BS),) * 3 + (FullAttentionSpec(BS),)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _hit(specs: tuple, held: list[tuple[int, list[int]]], n_tokens: int) -> tuple[int, int]:
+    masks = [0] * len(specs)
+    for g, positions in held:
+        for p in positions:
+            masks[g] |= 1 << p
+    return hit_rule(specs).hit_and_junction(masks, n_tokens - 1)
+
+
+def test_swa_prompt_retains_only_the_window_tail_at_the_replay_boundary() -> None:
+    held = dict(retained_prompt_blocks(GEMMA, 352, BS))
+    assert held[5] == list(range(11))  # full attention: every full block
+    assert all(held[g] == [8, 9] for g in range(5))  # 351 -> 320: blocks 8, 9
+    # A resend hits 320; a branch inside the prompt (at 200) hits nothing, but full
+    # attention holds 192: that is the junction a request routed there retains.
+    assert _hit(GEMMA, list(held.items()), 352) == (320, 0)
+    assert _hit(GEMMA, list(held.items()), 200) == (0, 192)
+
+
+def test_junction_retains_state_a_sibling_can_resume_from() -> None:
+    held = dict(retained_prompt_blocks(GEMMA, 400, BS, junction=192))
+    assert held[0] == [4, 5, 10, 11]  # tails ending at 192 and at 384
+    held_q = dict(retained_prompt_blocks(QWEN, 400, BS, junction=192))
+    assert held_q[0] == [5, 11] and held_q[3] == list(range(12))
+
+
+def test_recorded_blocks_live_until_the_first_batch_after_the_answer() -> None:
+    clock = Clock()
+    spec = SpeculativeResidency(ttl_s=2.0, clock=clock)
+    hashes = [101, 102, 103]
+    held = spec.record("a", {0: hashes[:2], 5: hashes})
+    assert sorted(held) == hashes
+    res = spec.residency(hashes, ["a", "b"])
+    assert res == {"a": {0: 0b011, 10: 0b111}}  # slot = group * 2 + GPU tier
+    spec.flush("a")  # a batch before the answer changes nothing
+    assert spec.residency(hashes, ["a"])
+    spec.settle("a", held)
+    assert spec.residency(hashes, ["a"])  # answered: still held until a batch lands
+    spec.flush("b")
+    assert spec.residency(hashes, ["a"])
+    spec.flush("a")
+    assert spec.residency(hashes, ["a"]) == {}
+
+
+def test_an_entry_shared_by_two_requests_outlives_the_first() -> None:
+    clock = Clock()
+    spec = SpeculativeResidency(ttl_s=2.0, clock=clock)
+    first = spec.record("a", {0: [7]})
+    spec.record("a", {0: [7]})
+    spec.settle("a", first)
+    spec.flush("a")
+    assert spec.residency([7], ["a"]) == {"a": {0: 1}}
+    clock.t = 2.5  # the safety net: entries never outlive the TTL
+    assert spec.residency([7], ["a"]) == {}
+
+
+def test_engine_block_size_from_metrics_is_used_until_events_arrive() -> None:
+    layouts = LayoutRegistry(default=InstanceLayout.full(16))
+    layouts.hint_block_size("a", 128)
+    assert layouts.get("a").hash_block_size == 128  # type: ignore[union-attr]
+    assert "metrics" in layouts.source("a")
+    assert layouts.get("b").hash_block_size == 16  # type: ignore[union-attr]
+    layouts.forget("a")
+    assert layouts.get("a").hash_block_size == 16  # type: ignore[union-attr]
