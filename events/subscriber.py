@@ -156,11 +156,11 @@ class ZmqEventSubscriber:
             | zmq.EVENT_MONITOR_STOPPED
         )
         self._monitor_task = asyncio.get_running_loop().create_task(self._watch(monitor))
+        self._sub = sub
         if self.bind:
-            sub.bind(self.endpoint)
+            await self._bind(sub)
         else:
             sub.connect(self.endpoint)
-        self._sub = sub
         if self.replay_endpoint is not None:
             self._dealer = self._new_dealer()
         logger.info(
@@ -170,6 +170,19 @@ class ZmqEventSubscriber:
             # SUB is already connected, so live batches published during the replay queue
             # up there and are deduplicated against what the replay delivered.
             await self._resume(self.start_seq)
+
+    async def _bind(self, sub: zmq.asyncio.Socket, attempts: int = 40) -> None:
+        """Bind, waiting (bounded) for a socket of ours that had the endpoint -- a
+        subscriber closed for a resync -- to let go of it: libzmq's I/O thread releases
+        a closed listener asynchronously."""
+        for attempt in range(attempts):
+            try:
+                sub.bind(self.endpoint)
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or attempt == attempts - 1:
+                    raise
+                await asyncio.sleep(0.025)
 
     async def close(self) -> None:
         """Close the sockets; a pending iteration ends with ``StopAsyncIteration``."""
@@ -190,6 +203,9 @@ class ZmqEventSubscriber:
             with contextlib.suppress(TimeoutError, asyncio.CancelledError, zmq.ZMQError):
                 await asyncio.wait_for(self._monitor_task, 1.0)
         if self._sub is not None:
+            if self.bind:  # release the endpoint now, for a successor that binds it
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sub.unbind(self.endpoint)
             self._sub.close(linger=0)
         if self._dealer is not None:
             self._dealer.close(linger=0)

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from kvroute_cli.extras import require_extras
+
 __all__ = ["chaos"]
 
 SCENARIOS = ("kill", "events", "redis", "fuzz", "http", "load")
@@ -26,6 +28,7 @@ def chaos(
 ) -> None:
     """Engine SIGKILL mid-stream, dropped event batches, Redis restarted empty under load,
     msgpack and HTTP fuzzing, concurrent streams: requests lost and recovery times."""
+    require_extras("kvroute bench chaos", "engine", "bench")
     from bench.chaos import run
 
     chosen = None

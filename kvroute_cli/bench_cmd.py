@@ -9,6 +9,7 @@ import typer
 from kvroute_cli.bench_chaos_cmd import chaos
 from kvroute_cli.bench_replay_cmd import overhead as bench_overhead
 from kvroute_cli.bench_replay_cmd import replay as bench_replay
+from kvroute_cli.extras import require_extras
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -42,6 +43,7 @@ def bench_offload(
     device: str = typer.Option(None, help="cuda | cpu (default: CUDA when present)."),
 ) -> None:
     """GPU<->CPU chunk copy bandwidth vs a plain torch copy, and pool blocks/s."""
+    require_extras("kvroute bench offload", "engine")
     from bench.offload import run
 
     run(

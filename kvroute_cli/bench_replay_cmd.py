@@ -9,6 +9,8 @@ from pathlib import Path
 
 import typer
 
+from kvroute_cli.extras import require_extras
+
 __all__ = ["overhead", "replay"]
 
 DEFAULT_ROUTERS = "ours:cost,ours:prefix_full_only,ours:round_robin,vllm-router,sglang-router"
@@ -45,7 +47,10 @@ def replay(
     sessions: int = typer.Option(100, help="Generated workload: sessions."),
     session_rate: float = typer.Option(1.0, help="Generated workload: session starts per s."),
     engines: int = typer.Option(8, min=1),
-    profile: str = typer.Option("swa-hybrid", help="full | swa-hybrid | mamba-hybrid"),
+    profile: str = typer.Option(
+        "swa-hybrid",
+        help="full | swa-hybrid | mamba-hybrid | gemma3 | gpt-oss | qwen3-next | llama",
+    ),
     routers: str = typer.Option(DEFAULT_ROUTERS, help="Comma-separated, in run order."),
     requests: int = typer.Option(None, min=1, help="Replay this many requests (default all)."),
     start: int = typer.Option(0, min=0, help="Skip this many requests first."),
@@ -68,6 +73,7 @@ def replay(
 ) -> None:
     """Replay a trace through each router on fresh engines; write report.md, results.json and
     plots (TTFT CDF, hit ratio, load per instance) under --out."""
+    require_extras("kvroute bench replay", "engine", "bench")  # engines, plots, peers
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
@@ -156,10 +162,15 @@ def overhead(
 ) -> None:
     """Latency each router adds per request vs calling an engine directly (p50/p99), and
     our in-process routing decision time."""
+    require_extras("kvroute bench overhead", "engine")
     from rich.console import Console
 
+    from bench.replay.config import PEERS
     from bench.replay.overhead import run_overhead
 
+    names = _routers(routers)
+    if any(r in PEERS for r in names):
+        require_extras("kvroute bench overhead with peer routers", "bench")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    run_overhead(_routers(routers), out, requests, concurrency, command=_command("overhead"))
+    run_overhead(names, out, requests, concurrency, command=_command("overhead"))
     Console().print((out / "overhead.md").read_text())

@@ -25,6 +25,9 @@ def router(
     default_layout: str = typer.Option(None, help="full | swa:WINDOW | mamba (until learned)"),
     temperature: float = typer.Option(None, help="Softmax temperature (0 = argmin)."),
     health_interval: float = typer.Option(None, help="Seconds between health probes."),
+    dashboard: bool = typer.Option(
+        None, "--dashboard/--no-dashboard", help="Serve GET /dashboard [default on]."
+    ),
     config: Path = typer.Option(None, help="YAML file with the same settings.", exists=True),
     log_level: str = typer.Option(None, help="uvicorn log level."),
 ) -> None:
@@ -49,6 +52,7 @@ def router(
         "default_layout": default_layout,
         "temperature": temperature,
         "health_interval_s": health_interval,
+        "dashboard": dashboard,
         "log_level": log_level,
     }
     try:

@@ -1,22 +1,19 @@
-"""Shared fixtures: paths to the golden vectors and traces in ../shared."""
+"""Shared fixtures: the golden vectors in tests/data (scripts/regen-vectors.py writes them
+from the real vLLM package and records what made each field; tests/README.md)."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-SHARED = Path(os.environ.get("KVROUTE_SHARED", REPO.parent / "shared"))
+DATA = Path(__file__).resolve().parent / "data"
 
 
 @pytest.fixture(scope="session")
 def vectors_dir() -> Path:
-    path = SHARED / "vectors"
-    assert path.is_dir(), f"golden vectors not found at {path} (set KVROUTE_SHARED)"
-    return path
+    return DATA / "vectors"
 
 
 @pytest.fixture(scope="session")

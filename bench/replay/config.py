@@ -31,7 +31,7 @@ class EngineConfig:
     gpu_blocks: int = 16_384
     cpu_blocks: int = 65_536
     blocks_per_chunk: int = 4
-    block_size: int = 16
+    block_size: int | None = None  # None: the profile's (vLLM's choice for that family)
     sliding_window: int = 1024
     page_bytes: int = 16
     max_num_seqs: int = 64
@@ -39,6 +39,12 @@ class EngineConfig:
     prefill_tokens_per_s: float = 10_000.0
     max_model_len: int | None = None  # None: what the engine's GPU blocks hold
     hash_algo: str = "sha256_cbor"
+
+    def __post_init__(self) -> None:
+        if self.block_size is None:
+            from engine_adapter.profiles import get_profile
+
+            object.__setattr__(self, "block_size", get_profile(self.profile).block_size)
 
     def timing(self, time_scale: float) -> TimingModel:
         return TimingModel(
