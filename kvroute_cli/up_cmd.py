@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import typer
+
+from kvroute_cli.extras import require_extras
 
 
 def _parse_policies(text: str) -> tuple[str, ...]:
@@ -102,9 +105,14 @@ def up(
     seed: int = typer.Option(0, help="Workload seed (same seed, same prompts)."),
     keep_logs: bool = typer.Option(False, help="Keep child process logs (always on failure)."),
     out: Path = typer.Option(None, help="Also write the full report (per request) as JSON."),
+    keep: bool = typer.Option(
+        False, help="Keep the last policy's engines and router up (see /dashboard) until Ctrl-C."
+    ),
 ) -> None:
     """Start engines and the router on 127.0.0.1, run a short multi-turn chat workload per
-    policy (fresh engines each), print hit ratio, TTFT and prediction accuracy, stop all."""
+    policy (fresh engines each), print hit ratio, TTFT and prediction accuracy, stop all.
+    Each round prints its router's live dashboard URL; --keep leaves the last one up."""
+    require_extras("kvroute up", "engine")  # it starts `kvroute engine` processes
     from rich.console import Console
     from rich.markup import escape
     from rich.progress import (
@@ -141,6 +149,25 @@ def up(
         def request_done(self, policy: str, record: RequestRecord) -> None:
             self.progress.advance(self.tasks[policy])
 
+        def stack_up(self, policy: str, router_url: str, engines: list[str]) -> None:
+            self.progress.console.print(f"dashboard for {policy}: {router_url}/dashboard")
+
+    def _hold(report: dict[str, Any], progress: Progress) -> None:
+        """--keep: the table now, then wait for Ctrl-C (or SIGTERM) with the stack up."""
+        progress.stop()
+        console.print(_table(report))
+        row = report["rows"][-1]
+        console.print(
+            f"[bold]kept up:[/bold] router {row['router']}, dashboard "
+            f"[bold]{row['router']}/dashboard[/bold], {len(row['engines'])} engines. "
+            "Ctrl-C stops everything."
+        )
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            console.print("stopping engines and router")
+
     def _sigterm(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
@@ -169,6 +196,7 @@ def up(
                 max_tokens=max_tokens,
                 gpu_blocks=gpu_blocks,
                 cpu_blocks=cpu_blocks,
+                hold=(lambda report: _hold(report, progress)) if keep else None,
             )
     except ValueError as exc:  # a setting DemoConfig rejects (e.g. an unknown profile)
         raise typer.BadParameter(str(exc)) from None
@@ -180,7 +208,8 @@ def up(
         raise typer.Exit(130) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
-    console.print(_table(report))
+    if not keep:  # --keep printed it before waiting
+        console.print(_table(report))
     console.print(
         f"all {len(report['pids'])} child processes stopped; total {report['wall_s']:.1f} s"
     )

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.config import parse_instance
+from router.dashboard import mount_dashboard
 from router.decide import RouteDecision
 from router.proxy import error_response, request_headers
 from router.state import RouterState
@@ -68,6 +69,7 @@ def _authorized(request: Request, token: str) -> bool:
 def create_app(state: RouterState) -> FastAPI:
     app = FastAPI(title="kvroute router", docs_url=None, redoc_url=None)
     s = state.settings
+    dashboard = mount_dashboard(app, state) if s.dashboard else None
 
     async def _decide(
         request: Request, kind: str | None, *, forward: bool = True
@@ -84,6 +86,8 @@ def create_app(state: RouterState) -> FastAPI:
         decision = await state.router.decide(data, kind, record=forward)
         if decision is None:
             return error_response("no healthy instance", 503, "ServiceUnavailableError")
+        if forward and dashboard is not None:
+            dashboard.record(decision, kind)
         return raw, data, decision
 
     async def _proxy(request: Request, kind: str, path: str) -> Response:

@@ -144,6 +144,7 @@ class RouterSettings(BaseSettings):
     max_retries: int = Field(2, ge=0)
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
     admin_token: str | None = None  # KVROUTE_ADMIN_TOKEN; unset disables the admin API
+    dashboard: bool = True  # GET /dashboard (read-only live view); KVROUTE_DASHBOARD=false: 404
     redis_block_ttl_s: int | None = None
     log_level: str = "info"
 

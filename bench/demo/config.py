@@ -13,7 +13,15 @@ logger = logging.getLogger("bench.demo")
 
 MODEL = "kvroute-sim"
 # The layout the router assumes for an instance until its events teach it the real one.
-LAYOUTS = {"full": "full", "swa-hybrid": "swa:1024", "mamba-hybrid": "mamba"}
+LAYOUTS = {
+    "full": "full",
+    "swa-hybrid": "swa:1024",
+    "mamba-hybrid": "mamba",
+    "llama": "full",
+    "gemma3": "swa:1024",
+    "gpt-oss": "swa:128",
+    "qwen3-next": "mamba",
+}
 
 
 class DemoError(RuntimeError):
@@ -36,6 +44,9 @@ class DemoConfig:
     """
 
     engines: int = 3
+    # "sim": simulated engines (``profile``); "vllm": real vLLM CPU servers (own venv, a
+    # tiny random-weight Gemma-3-like model: 5 sliding-window groups + 1 full attention).
+    engine: str = "sim"
     profile: str = "swa-hybrid"
     index: str = "memory"  # memory | redis (private redis-server) | redis://...
     policies: tuple[str, ...] = ("cost",)
@@ -49,7 +60,7 @@ class DemoConfig:
     stagger_s: float = 0.15  # conversation i starts at i * stagger_s
     gpu_blocks: int = 512
     cpu_blocks: int = 1024
-    block_size: int = 16
+    block_size: int | None = None  # None: the profile's (vLLM's choice for the family)
     hash_algo: str = "sha256_cbor"
     time_scale: float = 1.0
     seed: int = 0
@@ -67,6 +78,8 @@ class DemoConfig:
         unknown = [p for p in self.policies if p not in POLICIES]
         if unknown or not self.policies:
             raise ValueError(f"unknown policies {unknown}; expected some of {POLICIES}")
+        if self.engine not in ("sim", "vllm"):
+            raise ValueError(f"engine must be sim or vllm, got {self.engine!r}")
         if self.profile not in LAYOUTS:
             raise ValueError(f"unknown profile {self.profile!r}; expected one of {list(LAYOUTS)}")
         if not (self.index in ("memory", "redis") or self.index.startswith("redis://")):
@@ -107,6 +120,10 @@ class Observer:
 
     def phase(self, policy: str, text: str) -> None:
         logger.info("[%s] %s", policy, text)
+
+    def stack_up(self, policy: str, router_url: str, engines: list[str]) -> None:
+        """The round's engines and router are healthy: its live view is at ``/dashboard``."""
+        logger.info("[%s] dashboard: %s/dashboard", policy, router_url)
 
     def request_done(self, policy: str, record: RequestRecord) -> None:
         logger.debug("[%s] conversation %d turn %d done", policy, record.conversation, record.turn)

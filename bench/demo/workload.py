@@ -113,7 +113,9 @@ async def _chat(
                     rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                     details = usage.get("prompt_tokens_details") or {}
                     rec.cached_tokens = int(details.get("cached_tokens") or 0)
-                    hit = usage.get("kv_hit") or {}
+                    # vLLM reports only cached_tokens (GPU on an engine without offload);
+                    # the simulated engine also splits it per tier.
+                    hit = usage.get("kv_hit") or {"gpu_tokens": rec.cached_tokens}
                     rec.gpu_hit_tokens = int(hit.get("gpu_tokens") or 0)
                     rec.cpu_hit_tokens = int(hit.get("cpu_tokens") or 0)
     except (httpx.HTTPError, json.JSONDecodeError) as exc:

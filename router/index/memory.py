@@ -313,7 +313,18 @@ class MemoryIndex:
                     res[who[1]] = mask
         return out
 
-    # ---- introspection (tests, benchmarks) ---------------------------------------------
+    # ---- introspection (tests, benchmarks, /dashboard) ---------------------------------
+
+    def column_counts_sync(self) -> dict[str, dict[int, int]]:
+        """``{instance: {slot: distinct blocks held}}``; O(columns)."""
+        live = self._live
+        return {
+            name: {slot: live[col] for slot, col in st.cols.items()}
+            for name, st in self._inst.items()
+        }
+
+    async def column_counts(self) -> dict[str, dict[int, int]]:
+        return self.column_counts_sync()
 
     def stats(self) -> dict[str, int]:
         return {

@@ -305,7 +305,25 @@ class RedisIndex:
         if self._owns_client:
             await self.redis.aclose()
 
-    # ---- introspection (tests, benchmarks) ---------------------------------------------
+    # ---- introspection (tests, benchmarks, /dashboard) ---------------------------------
+
+    async def column_counts(self) -> dict[str, dict[int, int]]:
+        """``{instance: {slot: distinct blocks held}}`` of the live columns: the column map
+        and one HLEN per column, two round trips (O(columns), never O(blocks))."""
+        raw = await self.redis.hgetall(f"{self.prefix}:col")  # type: ignore[misc]
+        colmap = _parse_colmap([x for kv in raw.items() for x in kv])
+        cols = sorted(colmap)
+        if not cols:
+            return {}
+        pipe = self.redis.pipeline(transaction=False)
+        for col in cols:
+            pipe.hlen(f"{self.prefix}:r:{col}")
+        sizes = await pipe.execute()
+        out: dict[str, dict[int, int]] = {}
+        for col, n in zip(cols, sizes, strict=True):
+            name, slot = colmap[col]
+            out.setdefault(name, {})[slot] = int(n)
+        return out
 
     async def stats(self) -> dict[str, int]:
         """Key and entry counts of this namespace (scans the namespace: not for hot paths)."""

@@ -229,20 +229,22 @@ def test_routers_start_after_redis_and_engines_are_healthy(compose, parsed):
             assert services[dep].get("healthcheck"), f"{dep} has no healthcheck to wait for"
 
 
-def test_only_routers_publish_ports_on_loopback_each_once(compose, parsed):
+def test_only_routers_and_grafana_publish_ports_on_loopback_each_once(compose, parsed):
     services = compose["services"]
     routers = _by_kind(parsed, "router")
+    # The operator's UIs: routers (API, /dashboard) and Grafana (on its default port).
+    published = {**{name: s.port for name, s in routers.items()}, "grafana": 3000}
     host_ports: list[int] = []
     for name, svc in services.items():
         ports = svc.get("ports") or []
-        if name not in routers:
+        if name not in published:
             assert not ports, f"{name} must not be published"
             continue
-        assert ports, f"{name}: router not published"
+        assert ports, f"{name} not published"
         for entry in ports:
             ip, host, container = str(entry).split(":")
             assert ip == "127.0.0.1", f"{name}: {entry} must bind loopback"
-            assert int(container) == routers[name].port, f"{name}: {entry}"
+            assert int(container) == published[name], f"{name}: {entry}"
             host_ports.append(int(host))
     assert len(host_ports) == len(set(host_ports)), f"host ports collide: {host_ports}"
 
