@@ -88,8 +88,17 @@ def _table(report: dict[str, Any]) -> Any:
 
 
 def up(
-    engines: int = typer.Option(3, min=1, max=16, help="Simulated engines to start."),
-    profile: str = typer.Option("swa-hybrid", help="full | swa-hybrid | mamba-hybrid"),
+    engines: int = typer.Option(3, min=1, max=16, help="Engines to start."),
+    engine: str = typer.Option(
+        "sim",
+        help="sim: simulated engines (--profile); vllm: real vLLM CPU servers with a tiny "
+        "Gemma-3-like model (own venv, installed on first use; minutes to start).",
+    ),
+    profile: str = typer.Option(
+        "swa-hybrid",
+        help="Simulated engines: full | swa-hybrid | mamba-hybrid | gemma3 | gpt-oss | "
+        "qwen3-next | llama",
+    ),
     index: str = typer.Option(
         "memory", help="memory | redis (a private redis-server) | redis://host:port/db"
     ),
@@ -112,7 +121,8 @@ def up(
     """Start engines and the router on 127.0.0.1, run a short multi-turn chat workload per
     policy (fresh engines each), print hit ratio, TTFT and prediction accuracy, stop all.
     Each round prints its router's live dashboard URL; --keep leaves the last one up."""
-    require_extras("kvroute up", "engine")  # it starts `kvroute engine` processes
+    if engine == "sim":
+        require_extras("kvroute up", "engine")  # it starts `kvroute engine` processes
     from rich.console import Console
     from rich.markup import escape
     from rich.progress import (
@@ -196,6 +206,7 @@ def up(
                 max_tokens=max_tokens,
                 gpu_blocks=gpu_blocks,
                 cpu_blocks=cpu_blocks,
+                engine=engine,
                 hold=(lambda report: _hold(report, progress)) if keep else None,
             )
     except ValueError as exc:  # a setting DemoConfig rejects (e.g. an unknown profile)
