@@ -56,11 +56,16 @@ def _table(report: dict[str, Any]) -> Any:
         box=box.SIMPLE_HEAD,
         title=f"kvroute up: {cfg['conversations']} conversations x {cfg['turns']} turns",
         caption=(
-            f"{cfg['engines']} {cfg['profile']} engines ({cfg['gpu_blocks']} GPU / "
-            f"{cfg['cpu_blocks']} CPU blocks, time x{cfg['time_scale']:g}), index "
-            f"{cfg['index']}. hit: cached / prompt tokens (engine-reported); GPU/CPU tok: "
-            "tokens reused from each tier; TTFT at the client; exact: share of requests whose "
-            "predicted hit (router"
+            (
+                f"{cfg['engines']} real vLLM CPU engines (tiny Gemma-3-like model, "
+                f"{cfg['gpu_blocks']} KV blocks)"
+                if cfg.get("engine") == "vllm"
+                else f"{cfg['engines']} {cfg['profile']} engines ({cfg['gpu_blocks']} GPU / "
+                f"{cfg['cpu_blocks']} CPU blocks, time x{cfg['time_scale']:g})"
+            )
+            + f", index {cfg['index']}. hit: cached / prompt tokens (engine-reported); "
+            "GPU/CPU tok: tokens reused from each tier; TTFT at the client; exact: share of "
+            "requests whose predicted hit (router"
             + (f", from {' and '.join(sources)}" if sources else "")
             + ") equals the actual hit (engine); spread: requests per engine."
         ),
