@@ -124,8 +124,10 @@ class KVCacheManager:
         *,
         lora_name: str | None = None,
         lora_path: str | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
-        """A request hashed the way this engine's cache keys are (block size, algo, seed)."""
+        """A request hashed the way this engine's cache keys are (block size, algo, seed,
+        extra keys)."""
         return Request(
             request_id,
             list(prompt_token_ids),
@@ -134,6 +136,7 @@ class KVCacheManager:
             hash_seed=self.hash_seed,
             lora_name=lora_name,
             lora_path=lora_path,
+            cache_salt=cache_salt,
         )
 
     def is_cached_on_gpu(self, request: Request, group_idx: int, block_idx: int) -> bool:

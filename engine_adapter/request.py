@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from events.hashing import hash_request_blocks, wire_hash
+from events.hashing import block_extra_keys, event_extra_keys, hash_request_blocks, wire_hash
 
 __all__ = ["Request"]
 
@@ -31,6 +31,7 @@ class Request:
     hash_seed: str | None = None
     lora_name: str | None = None
     lora_path: str | None = None
+    cache_salt: str | None = None  # keys block 0's hash: tenants never share a prefix
     all_token_ids: list[int] = field(init=False)
     block_hashes: list[bytes] = field(init=False, default_factory=list)
     wire_hashes: list[int] = field(init=False, default_factory=list)
@@ -68,14 +69,12 @@ class Request:
         for an empty list (vLLM's ``to_event_extra_keys``)."""
         if not positions:
             return None
-        keys = (self.lora_name,) if self.lora_name is not None else None
-        return [keys] * len(positions)
+        keys = self._extra_keys(max(positions) + 1)
+        return [event_extra_keys(keys[i]) if keys else None for i in positions]
 
     def _extra_keys(self, num_blocks: int) -> list[tuple[Any, ...] | None] | None:
-        # vLLM 0.33 tags the LoRA key as ("lora", name, path) on every block.
-        if self.lora_name is None:
-            return None
-        return [(("lora", self.lora_name, self.lora_path),)] * num_blocks
+        lora = (self.lora_name, self.lora_path) if self.lora_name is not None else None
+        return block_extra_keys(num_blocks, lora=lora, cache_salt=self.cache_salt)
 
     def _update_block_hashes(self) -> None:
         bs = self.block_size
@@ -85,12 +84,13 @@ class Request:
             return
         tokens = self.all_token_ids[done * bs : (done + new_blocks) * bs]
         parent = self.block_hashes[-1] if self.block_hashes else None
+        keys = self._extra_keys(done + new_blocks)  # by position: the salt is block 0's
         new = hash_request_blocks(
             tokens,
             bs,
             self.hash_algo,
             self.hash_seed,
-            self._extra_keys(new_blocks),
+            keys[done:] if keys else None,
             parent=parent,
         )
         self.block_hashes.extend(new)

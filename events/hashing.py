@@ -85,6 +85,33 @@ def wire_hash(digest: bytes) -> int:
     return int.from_bytes(digest[-8:], "big") & _U64
 
 
+def block_extra_keys(
+    num_blocks: int,
+    *,
+    lora: tuple[str, str | None] | None = None,
+    cache_salt: str | None = None,
+) -> list[tuple[Any, ...] | None] | None:
+    """vLLM 0.33's per-block extra hash keys (``generate_block_hash_extra_keys``): the
+    tagged LoRA key ``("lora", name, path)`` on every block, then ``("cache_salt", salt)``
+    on block 0 only. None when there are none: a request's hashes are then unkeyed."""
+    if num_blocks <= 0 or (lora is None and not cache_salt):
+        return None
+    lora_keys: list[Any] = [("lora", lora[0], lora[1])] if lora is not None else []
+    out: list[tuple[Any, ...] | None] = []
+    for i in range(num_blocks):
+        keys = lora_keys + ([("cache_salt", cache_salt)] if i == 0 and cache_salt else [])
+        out.append(tuple(keys) if keys else None)
+    return out
+
+
+def event_extra_keys(keys: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+    """One block's keys as ``BlockStored.extra_keys`` publishes them: untagged (the bare
+    LoRA name, the bare salt; vLLM's ``to_event_extra_keys``)."""
+    if keys is None:
+        return None
+    return tuple(k[1:] if k[0] == "mm" else k[1] for k in keys)
+
+
 def hash_block_tokens(
     algo: str, parent: bytes, tokens: Sequence[int], extra_keys: tuple[Any, ...] | None = None
 ) -> bytes:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from events.hashing import hash_request_blocks, wire_hash
+from events.hashing import block_extra_keys, hash_request_blocks, wire_hash
 from events.retention import retained_prompt_blocks
 from router.index.base import NUM_TIERS, BlockIndex
 from router.instances import Instance, InstanceRegistry
@@ -109,10 +109,16 @@ class Router:
         scores: dict[str, Score] = {}
         spec_blocks: dict[str, int] = {}
         index_ok = True
+        salt = body.get("cache_salt")
+        salt = salt if isinstance(salt, str) and salt else None
         if ids and self.policy.uses_scores:
             for size, group in by_size.items():
+                # The engine keys block 0 with the request's cache_salt: a salted request
+                # is credited only with blocks stored under the same salt.
+                keys = block_extra_keys(len(ids) // size, cache_salt=salt)
                 hashes[size] = hs = [
-                    wire_hash(h) for h in hash_request_blocks(ids, size, self.hash_algo, self.seed)
+                    wire_hash(h)
+                    for h in hash_request_blocks(ids, size, self.hash_algo, self.seed, keys)
                 ]
                 if not hs:
                     continue

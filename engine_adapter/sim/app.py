@@ -121,10 +121,13 @@ def create_app(
         stream: bool,
         include_usage: bool,
         forced_token: int | None = None,
+        cache_salt: str | None = None,
     ) -> Response:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
-        outputs = core.submit(rid, prompt_ids, max_tokens, forced_token=forced_token)
+        outputs = core.submit(
+            rid, prompt_ids, max_tokens, forced_token=forced_token, cache_salt=cache_salt
+        )
         if stream:
             gen = _stream(kind, rid, created, outputs, include_usage)
             return StreamingResponse(gen, media_type="text/event-stream")
@@ -225,7 +228,9 @@ def create_app(
         if isinstance(out, JSONResponse):
             return out
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _run("completion", ids, out, req.stream, usage, req.forced_token)
+        return await _run(
+            "completion", ids, out, req.stream, usage, req.forced_token, req.cache_salt
+        )
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -238,7 +243,7 @@ def create_app(
         if isinstance(out, JSONResponse):
             return out
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _run("chat", ids, out, req.stream, usage, req.forced_token)
+        return await _run("chat", ids, out, req.stream, usage, req.forced_token, req.cache_salt)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -142,6 +142,7 @@ class EngineCore:
         max_tokens: int,
         *,
         forced_token: int | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs until it finishes.
 
@@ -149,7 +150,8 @@ class EngineCore:
         """
         if self._stopping:
             raise RuntimeError("engine is shutting down")
-        seq = _Seq(self.kv.new_request(request_id, prompt_token_ids), max_tokens, forced_token)
+        req = self.kv.new_request(request_id, prompt_token_ids, cache_salt=cache_salt)
+        seq = _Seq(req, max_tokens, forced_token)
         self.waiting.append(seq)
         self._wake.set()
         done = False

@@ -22,6 +22,8 @@ class _Sampling(_Lenient):
     # has no logits), so a test can make it and a real vLLM generate the same tokens.
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # vLLM's per-request prefix-cache isolation: keys the first block's hash.
+    cache_salt: str | None = Field(None, min_length=1)
 
     @property
     def forced_token(self) -> int | None:

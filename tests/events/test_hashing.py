@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from events.hashing import (
     HASH_ALGOS,
+    block_extra_keys,
+    event_extra_keys,
     get_hash_fn,
     hash_block_tokens,
     hash_request_blocks,
@@ -132,3 +134,20 @@ def test_fast_path_equals_reference_serialisation(algo, toks, bs, with_keys, as_
     keys = [(("lora", "a", "/p"),) if i % 2 else None for i in range(n)] if with_keys else None
     arg = np.array(toks, dtype=np.uint64) if as_array and toks else toks
     assert hash_request_blocks(arg, bs, algo, "s", keys) == _reference(algo, toks, bs, "s", keys)
+
+
+def test_block_extra_keys_are_vllms_lora_on_every_block_and_salt_on_block_0(
+    block_hash_vectors,
+):
+    """The keys vLLM's generate_block_hash_extra_keys gave the golden LoRA + cache_salt
+    request, rebuilt from the request's fields (what router and engine both do)."""
+    keyed = [c for c in block_hash_vectors["cases"] if c["extra_keys"]]
+    assert keyed
+    for c in keyed:
+        n = len(c["extra_keys"])
+        got = block_extra_keys(n, lora=("sql-lora", "/adapters/sql-lora"), cache_salt="tenant-a")
+        assert got == _extra_keys(c["extra_keys"]), c["algo"]
+    salted = block_extra_keys(3, cache_salt="s")
+    assert salted == [(("cache_salt", "s"),), None, None]
+    assert [event_extra_keys(k) for k in salted] == [("s",), None, None]
+    assert block_extra_keys(3) is None and block_extra_keys(3, cache_salt="") is None

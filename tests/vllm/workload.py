@@ -34,6 +34,7 @@ class Step:
     max_tokens: int = 4
     chat_key: int | None = None  # which conversation this turn continues
     extra: dict[str, Any] = field(default_factory=dict)
+    cache_salt: str | None = None
 
     def body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -46,6 +47,8 @@ class Step:
             body["messages"] = self.messages
         else:
             body["prompt"] = self.prompt
+        if self.cache_salt is not None:
+            body["cache_salt"] = self.cache_salt
         return body
 
 
