@@ -29,7 +29,8 @@ _GPU = int(Tier.GPU)
 
 
 class SpeculativeResidency:
-    """``hash -> instance -> (expiry, group bitmask)``; read as per-slot position masks."""
+    """``hash -> instance -> [expiry, group bitmask, requests holding it]``; read as
+    per-slot position masks."""
 
     def __init__(self, ttl_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s = ttl_s

@@ -173,3 +173,33 @@ def start_redis(port: int | None = None) -> tuple[subprocess.Popen, int]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("private redis-server did not start") from None
             time.sleep(0.02)
+
+
+def child_pids(pid: int) -> set[int]:
+    """The live children of ``pid`` (from /proc): what a supervisor must not leave behind."""
+    out = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                out.add(int(entry.name))
+    return out
+
+
+def send_turns(router_url: str, prompt: str, turns: int = 3) -> str:
+    """``turns`` completions sharing ``prompt`` through a router; the last one's instance."""
+    import httpx
+
+    holder = ""
+    for turn in range(turns):
+        r = httpx.post(
+            f"{router_url}/v1/completions",
+            json={"prompt": prompt + f" turn {turn}", "max_tokens": 4},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        holder = r.headers["x-kvroute-instance"]
+    return holder

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from kvtest import child_pids
 
 REPO = Path(__file__).resolve().parents[2]
 KVROUTE = [sys.executable, "-m", "kvroute_cli.main"]
@@ -41,19 +42,6 @@ def _listening(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _children(pid: int) -> set[int]:
-    out = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == pid:
-                out.add(int(entry.name))
-    return out
 
 
 def _wait_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
@@ -125,7 +113,7 @@ def test_up_interrupted_mid_run_stops_every_child(tmp_path, sig):
         deadline = time.monotonic() + 60
         want = 2 + 1 + (sig == signal.SIGTERM)
         while time.monotonic() < deadline and proc.poll() is None:
-            seen |= _children(proc.pid)
+            seen |= child_pids(proc.pid)
             if len(seen) >= want:
                 break
             time.sleep(0.2)

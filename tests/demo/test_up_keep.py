@@ -18,24 +18,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from kvtest import child_pids
 
 REPO = Path(__file__).resolve().parents[2]
 KVROUTE = [sys.executable, "-m", "kvroute_cli.main"]
 TINY = ["--engines", "2", "--conversations", "2", "--turns", "2", "--max-tokens", "4"]
 TINY += ["--time-scale", "5", "--policies", "cost"]
-
-
-def _children(pid: int) -> set[int]:
-    out = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == pid:
-                out.add(int(entry.name))
-    return out
 
 
 def _running(pid: int) -> bool:
@@ -85,7 +73,7 @@ def test_up_keep_serves_the_dashboard_until_ctrl_c():
         assert f"dashboard {url}" in text and "Ctrl-C" in text
         assert re.search(r"^\s*cost\s+\d", text, re.M), text  # the table came first
 
-        children = _children(proc.pid)
+        children = child_pids(proc.pid)
         assert len(children) == 3, children  # 2 engines + the router, still up
         page = httpx.get(url, timeout=10)
         assert page.status_code == 200

@@ -12,7 +12,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 import httpx
-from kvtest import engines, start_router
+from kvtest import engines, send_turns, start_router
 
 from router.dashboard.snapshot import Recorded, summarize_decision
 from router.dashboard.view import render_cards, render_table
@@ -182,14 +182,7 @@ def test_page_names_every_instance_state_updates_and_decisions_explain(tmp_path)
             }
 
             prompt = "A long shared system prompt for the dashboard test. " * 30
-            for turn in range(3):
-                r = httpx.post(
-                    f"{router.url}/v1/completions",
-                    json={"prompt": prompt + f" turn {turn}", "max_tokens": 4},
-                    timeout=30,
-                )
-                assert r.status_code == 200, r.text
-                holder = r.headers["x-kvroute-instance"]
+            holder = send_turns(router.url, prompt)
 
             def updated() -> dict | None:
                 s = _state(router)

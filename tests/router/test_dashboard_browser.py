@@ -15,9 +15,8 @@ import shutil
 import time
 from pathlib import Path
 
-import httpx
 import pytest
-from kvtest import engines, start_router
+from kvtest import engines, send_turns, start_router
 
 SWA = ("--profile", "swa-hybrid", "--time-scale", "20")
 
@@ -105,14 +104,7 @@ def test_dashboard_renders_every_instance_and_updates_live(browser, tmp_path: Pa
             browser.execute_script("window.__kvrouteMarker = 42")
 
             prompt = "A shared system prompt seen by the headless browser test. " * 25
-            for turn in range(3):
-                r = httpx.post(
-                    f"{router.url}/v1/completions",
-                    json={"prompt": prompt + f" turn {turn}", "max_tokens": 4},
-                    timeout=30,
-                )
-                assert r.status_code == 200, r.text
-                holder = r.headers["x-kvroute-instance"]
+            holder = send_turns(router.url, prompt)
 
             _until(
                 browser, lambda d: _text(d, "#card-requests .v") == "3", what="the request counter"
