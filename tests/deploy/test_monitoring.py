@@ -368,7 +368,7 @@ def test_every_dashboard_query_runs_on_a_live_prometheus(tmp_path):
                     )
                     if got["data"]["result"]:
                         break
-                except httpx.HTTPError:
+                except (httpx.HTTPError, ValueError):  # not listening, or 503 while starting
                     pass
                 assert prom.poll() is None and time.monotonic() < deadline, (
                     "prometheus never scraped"
