@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,37 +15,16 @@ from typing import Any
 from bench.index import PIPELINE_BATCHES, ingest_workload, stored_event
 from events.structs import BlockStored, KVEventBatch
 from router.index.memory import MemoryIndex
+from stack import procs
 
 __all__ = ["private_redis", "publisher_main", "redis_ingest"]
 
 
 @contextlib.contextmanager
 def private_redis() -> Iterator[str]:
-    """A throw-away redis-server on a free port; yields its URL, kills it on exit."""
-    tmp = tempfile.mkdtemp(prefix="kvroute-bench-redis-")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    exe = shutil.which("redis-server") or "/usr/bin/redis-server"
-    cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen([*cmd, "--dir", tmp], stdout=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.02)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
+    """A throw-away redis-server on a free port; yields its URL, stops it on exit."""
+    with procs.private_redis() as server:
+        yield server.url
 
 
 async def redis_ingest(url: str, events: int, seed: int) -> dict[str, Any]:
@@ -124,9 +100,9 @@ async def _manager_ingest(
     (``events``, ``seed``)."""
     from prometheus_client import CollectorRegistry
 
-    from bench.chaos.procs import free_port, ipc_endpoint
     from router.index.redis_index import RedisIndex, namespace_for
     from router.ingest import IngestManager
+    from stack.procs import free_port, ipc_endpoint
 
     n = sum(len(e.block_hashes) for b in batches for e in b.events)
     port = free_port()

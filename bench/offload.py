@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import write_report
-from engine_adapter.coordinator import KVCacheManager
+from engine_adapter.kv_cache_manager import KVCacheManager
 from engine_adapter.offload import OffloadConfig
 from engine_adapter.offload.transfer import GroupCopy, TransferEngine
 from engine_adapter.profiles import (

@@ -45,7 +45,10 @@ class KVBlock:
 
 
 class BlockPool:
-    """Blocks, their LRU free queue and the prefix-cache map; events go to ``events``.
+    """Blocks, their LRU free queue and the prefix-cache map, and the events they imply.
+
+    The pool owns its event queue (vLLM's ``BlockPool.kv_event_queue``): every event of
+    this pool is stamped with its ``medium`` and drained with ``take_events`` once a step.
 
     ``reuse_hooks`` run on blocks about to be handed out again, before anything is
     overwritten (the offload tier uses it to finish copies still reading those blocks).
@@ -54,7 +57,6 @@ class BlockPool:
     def __init__(
         self,
         num_blocks: int,
-        events: list[KVCacheEvent] | None = None,
         *,
         medium: str = MEDIUM_GPU,
         enable_events: bool = True,
@@ -71,7 +73,7 @@ class BlockPool:
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in usable)
         self.num_usable = len(usable)
         self._cached: dict[CacheKey, KVBlock | dict[int, KVBlock]] = {}
-        self.events: list[KVCacheEvent] = events if events is not None else []
+        self._events: list[KVCacheEvent] = []
         self.medium = medium
         self.enable_events = enable_events
         self.reuse_hooks: list[Callable[[list[KVBlock]], None]] = []
@@ -90,7 +92,12 @@ class BlockPool:
     def emit(self, event: KVCacheEvent) -> None:
         """Queue an event of this pool's (drained once per engine step)."""
         if self.enable_events:
-            self.events.append(event)
+            self._events.append(event)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Drain this pool's events, in the order they happened."""
+        events, self._events = self._events, []
+        return events
 
     def get_cached(self, key: CacheKey) -> KVBlock | None:
         """Any physical block caching ``key`` (the first one if duplicated)."""
@@ -175,8 +182,7 @@ class BlockPool:
             del hit[block.block_id]
             if len(hit) == 1:
                 self._cached[key] = next(iter(hit.values()))
-        if self.enable_events:
-            self.events.append(BlockRemoved([wire_hash(key[0])], self.medium, key[1]))
+        self.emit(BlockRemoved([wire_hash(key[0])], self.medium, key[1]))
 
     def reset(self, *, emit: bool = True) -> bool:
         """Forget every cached key if no block is in use; emits ``AllBlocksCleared``."""
@@ -187,8 +193,8 @@ class BlockPool:
         for block in self.blocks:
             block.key = None
         self._cached.clear()
-        if emit and self.enable_events:
-            self.events.append(AllBlocksCleared())
+        if emit:
+            self.emit(AllBlocksCleared())
         return True
 
     def check_invariants(self, held: Sequence[KVBlock] = ()) -> None:

@@ -23,7 +23,7 @@ from engine_adapter.block_pool import BlockPool, KVBlock
 from engine_adapter.request import Request
 from events.groups import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from events.retention import cacheable_mask
-from events.structs import MEDIUM_GPU, BlockStored
+from events.structs import BlockStored
 
 __all__ = [
     "FullAttentionManager",
@@ -195,7 +195,7 @@ class SingleTypeManager:
                     token_ids=request.all_token_ids[start * bs : end * bs],
                     block_size=bs,
                     lora_id=None,
-                    medium=MEDIUM_GPU,
+                    medium=self.pool.medium,
                     lora_name=request.lora_name,
                     extra_keys=request.event_extra_keys(kept),
                     group_idx=g,

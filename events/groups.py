@@ -12,10 +12,10 @@ decide what it reuses and the router to predict that, so the two agree by constr
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache, reduce
-from typing import ClassVar
+from typing import Any, ClassVar
 
 __all__ = [
     "FullAttentionSpec",
@@ -26,6 +26,7 @@ __all__ = [
     "SlidingWindowSpec",
     "cached_masks",
     "hit_rule",
+    "lcm_block_size",
     "longest_cache_hit",
     "longest_cache_hit_masks",
     "spec_from_event",
@@ -74,22 +75,68 @@ def spec_from_event(kind: str | None, sliding_window: int | None, block_size: in
     return FullAttentionSpec(block_size)
 
 
+def lcm_block_size(groups: Sequence[KVCacheSpec]) -> int:
+    """Tokens a hit length is a multiple of: the LCM of the group block sizes (vLLM's
+    scheduler block size). The one place it is computed."""
+    return reduce(math.lcm, (g.block_size for g in groups), 1)
+
+
 @dataclass(frozen=True, slots=True)
 class KVCacheLayout:
-    """A model's ordered KV cache groups; ``groups[i]`` is ``group_idx == i``."""
+    """A model's ordered KV cache groups (``groups[i]`` is ``group_idx == i``) and the
+    geometry both sides need to read its blocks: the engine builds its pools from it, the
+    router scores an instance with it.
+
+    ``hash_block_size``: tokens per request block hash (vLLM's hash_block_size); defaults
+    to the GCD of the group block sizes. ``tokens_per_chunk``: tokens per CPU offload chunk,
+    needed to expand placeholder CPU events (which name only a chunk's last block hash);
+    None means one CPU entry covers one hash block.
+    """
 
     groups: tuple[KVCacheSpec, ...]
+    hash_block_size: int = 0
+    tokens_per_chunk: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ValueError("a layout needs at least one group")
+        if self.hash_block_size <= 0:
+            gcd = reduce(math.gcd, (g.block_size for g in self.groups))
+            object.__setattr__(self, "hash_block_size", gcd)
+        for g in self.groups:
+            if g.block_size % self.hash_block_size:
+                raise ValueError(f"group block size {g.block_size} not a multiple of hash size")
+        if self.tokens_per_chunk is not None and self.tokens_per_chunk % self.hash_block_size:
+            raise ValueError("tokens_per_chunk must be a multiple of the hash block size")
+
+    @classmethod
+    def full(cls, block_size: int = 16, **kw: Any) -> KVCacheLayout:
+        return cls((FullAttentionSpec(block_size),), **kw)
 
     @property
     def lcm_block_size(self) -> int:
-        return reduce(math.lcm, (g.block_size for g in self.groups), 1)
-
-    @property
-    def hash_block_size(self) -> int:
-        return reduce(math.gcd, (g.block_size for g in self.groups))
+        return lcm_block_size(self.groups)
 
     def longest_cache_hit(self, is_cached: Callable[[int, int], bool], max_tokens: int) -> int:
         return longest_cache_hit(self.groups, is_cached, max_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "groups": [
+                {"kind": g.kind, "block_size": g.block_size, "sliding_window": g.sliding_window}
+                for g in self.groups
+            ],
+            "hash_block_size": self.hash_block_size,
+            "tokens_per_chunk": self.tokens_per_chunk,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> KVCacheLayout:
+        groups = tuple(
+            spec_from_event(g.get("kind"), g.get("sliding_window"), int(g["block_size"]))
+            for g in d["groups"]
+        )
+        return cls(groups, int(d.get("hash_block_size") or 0), d.get("tokens_per_chunk"))
 
 
 def _full_prefix_mask(mask: int) -> int:
@@ -151,7 +198,7 @@ class HitRule:
 
     def __init__(self, specs: Sequence[KVCacheSpec]) -> None:
         self.specs = tuple(specs)
-        self.lcm = lcm = reduce(math.lcm, (s.block_size for s in self.specs), 1)
+        self.lcm = lcm = lcm_block_size(self.specs)
         # (group_idx, block size, alignment in blocks)
         self.full = tuple(
             (g, s.block_size, lcm // s.block_size)

@@ -80,9 +80,15 @@ def none_hash(algo: str, seed: str | None = None) -> bytes:
     return get_hash_fn(algo)(resolve_none_hash_seed(algo, seed))
 
 
-def wire_hash(digest: bytes) -> int:
-    """The int vLLM puts on the wire: the digest's low 64 bits, read big-endian."""
-    return int.from_bytes(digest[-8:], "big") & _U64
+def wire_hash(h: bytes | bytearray | memoryview | int) -> int:
+    """The int vLLM puts on the wire for a block hash: a digest's low 64 bits, read
+    big-endian; an int (already a wire hash, or a legacy engine's) masked to u64. The one
+    conversion both sides use, so engine and router can never disagree on a key."""
+    if type(h) is int:
+        return h & _U64
+    if isinstance(h, bytes | bytearray | memoryview):
+        return int.from_bytes(bytes(h[-8:]), "big")
+    raise TypeError(f"block hash must be int or bytes, got {type(h).__name__}")
 
 
 def block_extra_keys(

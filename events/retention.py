@@ -17,11 +17,15 @@ just-routed request will leave through :func:`retained_prompt_blocks`: one rule,
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from functools import reduce
 
-from events.groups import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
+from events.groups import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    lcm_block_size,
+)
 
 __all__ = [
     "cache_hit_alignment",
@@ -34,7 +38,7 @@ __all__ = [
 def cache_hit_alignment(groups: Sequence[KVCacheSpec]) -> int:
     """Tokens a hit length is a multiple of: the LCM of the group block sizes (vLLM's
     scheduler block size)."""
-    return reduce(math.lcm, (g.block_size for g in groups), 1)
+    return lcm_block_size(groups)
 
 
 def reachable_boundaries(num_prompt_tokens: int, junction: int = 0) -> tuple[int, ...]:

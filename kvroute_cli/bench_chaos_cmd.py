@@ -29,7 +29,7 @@ def chaos(
     """Engine SIGKILL mid-stream, dropped event batches, Redis restarted empty under load,
     msgpack and HTTP fuzzing, concurrent streams: requests lost and recovery times."""
     require_extras("kvroute bench chaos", "engine", "bench")
-    from bench.chaos import run
+    from stack.chaos import run
 
     chosen = None
     if only:

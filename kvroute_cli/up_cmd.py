@@ -1,6 +1,6 @@
 """``kvroute up``: engines + router on loopback, a multi-turn demo workload, a results table.
 
-The logic lives in :mod:`bench.demo`; this module only draws (Rich progress bar and table)
+The logic lives in :mod:`stack.demo`; this module only draws (Rich progress bar and table)
 and turns SIGTERM into the same clean shutdown as Ctrl-C.
 """
 
@@ -140,7 +140,7 @@ def up(
         TimeElapsedColumn,
     )
 
-    from bench.demo import DemoError, Observer, RequestRecord, run_up
+    from stack.demo import DemoError, Observer, RequestRecord, run_up
 
     names = _parse_policies(policies)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request

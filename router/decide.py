@@ -15,7 +15,7 @@ from typing import Any
 
 from events.hashing import block_extra_keys, hash_request_blocks, wire_hash
 from events.retention import retained_prompt_blocks
-from router.index.base import NUM_TIERS, BlockIndex
+from router.index.base import BlockIndex, Tier, group_tier
 from router.instances import Instance, InstanceRegistry
 from router.metrics import RouterMetrics
 from router.policy import Candidate, Decision, Policy
@@ -206,8 +206,8 @@ class Router:
             for url, res in found.items():
                 per: dict[str, Any] = {}
                 for slot, mask in sorted(res.items()):
-                    g, tier = divmod(slot, NUM_TIERS)
-                    per[f"group{g}.{'gpu' if tier == 0 else 'cpu'}"] = {
+                    g, tier = group_tier(slot)
+                    per[f"group{g}.{'gpu' if tier is Tier.GPU else 'cpu'}"] = {
                         "prefix_blocks": ((mask + 1) & ~mask).bit_length() - 1,
                         "resident_blocks": mask.bit_count(),
                     }

@@ -10,14 +10,13 @@ Precedence: configured for the instance > learned > the registry default.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
-from functools import reduce
+from dataclasses import replace
 from typing import Any
 
 from events.groups import (
     FullAttentionSpec,
+    KVCacheLayout,
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
@@ -30,53 +29,10 @@ __all__ = ["InstanceLayout", "LayoutRegistry"]
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class InstanceLayout:
-    """An instance's groups (index = ``group_idx``) and offload geometry.
-
-    ``hash_block_size``: tokens per request block hash (vLLM's hash_block_size); defaults
-    to the GCD of the group block sizes. ``tokens_per_chunk``: tokens per CPU offload chunk,
-    needed to expand placeholder CPU events (which name only a chunk's last block hash);
-    None means one CPU entry covers one hash block.
-    """
-
-    groups: tuple[KVCacheSpec, ...]
-    hash_block_size: int = 0
-    tokens_per_chunk: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.groups:
-            raise ValueError("a layout needs at least one group")
-        if self.hash_block_size <= 0:
-            gcd = reduce(math.gcd, (g.block_size for g in self.groups))
-            object.__setattr__(self, "hash_block_size", gcd)
-        for g in self.groups:
-            if g.block_size % self.hash_block_size:
-                raise ValueError(f"group block size {g.block_size} not a multiple of hash size")
-        if self.tokens_per_chunk is not None and self.tokens_per_chunk % self.hash_block_size:
-            raise ValueError("tokens_per_chunk must be a multiple of the hash block size")
-
-    @classmethod
-    def full(cls, block_size: int = 16, **kw: Any) -> InstanceLayout:
-        return cls((FullAttentionSpec(block_size),), **kw)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "groups": [
-                {"kind": g.kind, "block_size": g.block_size, "sliding_window": g.sliding_window}
-                for g in self.groups
-            ],
-            "hash_block_size": self.hash_block_size,
-            "tokens_per_chunk": self.tokens_per_chunk,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> InstanceLayout:
-        groups = tuple(
-            spec_from_event(g.get("kind"), g.get("sliding_window"), int(g["block_size"]))
-            for g in d["groups"]
-        )
-        return cls(groups, int(d.get("hash_block_size") or 0), d.get("tokens_per_chunk"))
+# The router's name for the one layout type (``events.groups.KVCacheLayout``, which the
+# engine builds its pools from): what each ``group_idx`` of an instance is, its hash block
+# size and its CPU chunk size.
+InstanceLayout = KVCacheLayout
 
 
 class LayoutRegistry:

@@ -22,7 +22,6 @@ benchmark baseline.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from functools import reduce
 from operator import or_
@@ -76,7 +75,7 @@ class _Plan:
         ]
         specs = tuple(layout.groups[g] for g in idx)
         hbs = layout.hash_block_size
-        lcm = reduce(math.lcm, (g.block_size for g in layout.groups), 1)
+        lcm = layout.lcm_block_size
         tpc = layout.tokens_per_chunk or lcm
         self.layout = layout
         self.hash_block_size = hbs

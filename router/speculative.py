@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from router.index.base import NUM_TIERS, Residency, Tier
+from router.index.base import Residency, Tier, slot_of
 
 __all__ = ["SpeculativeResidency"]
 
@@ -108,7 +108,7 @@ class SpeculativeResidency:
                 g = 0
                 while groups:
                     if groups & 1:
-                        slot = g * NUM_TIERS + _GPU
+                        slot = slot_of(g, _GPU)
                         res[slot] = res.get(slot, 0) | bit
                     groups >>= 1
                     g += 1

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-OURS = ("events", "engine_adapter", "router", "bench", "kvroute_cli")
+OURS = ("events", "engine_adapter", "router", "bench", "stack", "kvroute_cli")
 # Modules only the optional extras install (pyproject.toml: engine, bench).
 EXTRA_ONLY = ("torch", "matplotlib", "hypothesis", "vllm_router", "sglang_router")
 
@@ -109,6 +109,8 @@ RULES = [
     pytest.param("events", {"torch"}, id="events_never_imports_torch"),
     pytest.param("router", set(EXTRA_ONLY), id="router_needs_no_extra"),
     pytest.param("events", set(EXTRA_ONLY), id="events_needs_no_extra"),
+    # The demo and the test kit are product code: benchmarks may use them, never the reverse.
+    pytest.param("stack", {"bench"}, id="stack_never_imports_bench"),
 ]
 
 
@@ -122,6 +124,17 @@ def test_cli_modules_import_product_and_extras_only_inside_commands():
     command imports what it runs when it runs (and says which extra is missing)."""
     heavy = (set(OURS) - {"kvroute_cli"}) | set(EXTRA_ONLY)
     assert _violations("kvroute_cli", heavy, lazy_too=False) == []
+
+
+def test_only_the_benchmark_tests_import_bench():
+    """Tests stand on the product and the kit (``stack``), not on benchmark code; only the
+    tests *of* the benchmarks (``tests/bench``) import it."""
+    bad = [
+        str(i)
+        for i in imports("tests")
+        if i.top == "bench" and not i.file.replace("\\", "/").startswith("tests/bench/")
+    ]
+    assert bad == []
 
 
 def test_scanner_sees_top_level_lazy_relative_and_dynamic_imports(tmp_path):
@@ -138,7 +151,7 @@ def test_scanner_sees_top_level_lazy_relative_and_dynamic_imports(tmp_path):
         "def f():\n"
         "    import importlib\n"
         "    from engine_adapter import sim\n"
-        "    return importlib.import_module('bench.demo')\n"
+        "    return importlib.import_module('stack.demo')\n"
     )
     found = {(i.file.replace("\\", "/"), i.module, i.lazy) for i in imports("pkg", tmp_path)}
     assert found == {
@@ -149,7 +162,7 @@ def test_scanner_sees_top_level_lazy_relative_and_dynamic_imports(tmp_path):
         ("pkg/sub/mod.py", "router.index", False),
         ("pkg/sub/mod.py", "importlib", True),
         ("pkg/sub/mod.py", "engine_adapter", True),
-        ("pkg/sub/mod.py", "bench.demo", True),
+        ("pkg/sub/mod.py", "stack.demo", True),
     }
 
 

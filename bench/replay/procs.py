@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -22,8 +21,8 @@ from pathlib import Path
 import httpx
 import zmq
 
-from bench.chaos.procs import free_port
 from bench.replay.config import ReplayConfig
+from stack.procs import EventForwarder, free_port
 
 __all__ = [
     "EngineHandle",
@@ -91,45 +90,6 @@ def wait_healthy(url: str, proc: Proc, timeout: float) -> None:
                 return
         time.sleep(0.2)
     raise TimeoutError(f"{proc.name}: {url} not healthy after {timeout:.0f}s\n{proc.tail()}")
-
-
-class EventForwarder:
-    """One XSUB->XPUB relay per engine, both bound on 127.0.0.1.
-
-    vLLM's rule makes a PUB bind only for wildcard or ipc endpoints, so a loopback tcp
-    PUB *connects*: the engine pushes into our XSUB, and routers subscribe at our XPUB
-    (vllm-router takes tcp:// sources only; a wildcard would leave loopback). Frames pass
-    through untouched; ``zmq.proxy_steerable`` runs in C, off the GIL.
-    """
-
-    def __init__(self, ctx: zmq.Context) -> None:
-        self.in_port, self.out_port = free_port(), free_port()
-        self._xsub = ctx.socket(zmq.XSUB)
-        self._xpub = ctx.socket(zmq.XPUB)
-        for sock in (self._xsub, self._xpub):
-            sock.setsockopt(zmq.RCVHWM, 100_000)
-            sock.setsockopt(zmq.SNDHWM, 100_000)
-            sock.setsockopt(zmq.LINGER, 0)
-        self._xsub.bind(f"tcp://127.0.0.1:{self.in_port}")
-        self._xpub.bind(f"tcp://127.0.0.1:{self.out_port}")
-        addr = f"inproc://fwd-{id(self)}"
-        self._ctl = ctx.socket(zmq.PAIR)
-        self._ctl.bind(addr)
-        self._ctl_peer = ctx.socket(zmq.PAIR)
-        self._ctl_peer.connect(addr)
-        self._thread = threading.Thread(target=self._run, daemon=True, name="kv-forwarder")
-        self._thread.start()
-
-    def _run(self) -> None:
-        with contextlib.suppress(zmq.ZMQError):
-            zmq.proxy_steerable(self._xsub, self._xpub, None, self._ctl_peer)
-
-    def close(self) -> None:
-        with contextlib.suppress(zmq.ZMQError):
-            self._ctl.send(b"TERMINATE")
-        self._thread.join(5)
-        for sock in (self._xsub, self._xpub, self._ctl, self._ctl_peer):
-            sock.close(linger=0)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from bench.replay.config import ReplayConfig
 from bench.replay.records import RequestRecord
 from bench.replay.trace import TraceRequest, compress_arrivals, prompt_text
 from bench.replay.vclock import VirtualClockLoop
-from engine_adapter.coordinator import KVCacheManager
+from engine_adapter.kv_cache_manager import KVCacheManager
 from engine_adapter.offload.manager import OffloadConfig
 from engine_adapter.profiles import get_profile
 from engine_adapter.sim.core import FILLER_TEXT, EngineCore, SchedulerConfig

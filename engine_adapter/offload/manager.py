@@ -76,7 +76,6 @@ class OffloadManager:
         config: OffloadConfig,
         profile: ModelProfile,
         gpu_kv: Sequence[torch.Tensor],
-        events: list[KVCacheEvent],
         *,
         enable_events: bool = True,
     ) -> None:
@@ -87,7 +86,7 @@ class OffloadManager:
         self.block_size = profile.block_size
         self.k = config.blocks_per_chunk
         self.tokens_per_chunk = self.k * self.block_size
-        self.events = events
+        self._events: list[KVCacheEvent] = []
         self.enable_events = enable_events
         self.cpu_kv = allocate_cpu_kv(profile, config.num_cpu_chunks, self.k, config.pin_memory)
         self.policy = make_policy(config.policy, config.num_cpu_chunks)
@@ -102,6 +101,11 @@ class OffloadManager:
         self.stats: Counter[str] = Counter()
 
     # ---- lookup ---------------------------------------------------------------------
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Drain this tier's ``medium="CPU"`` events (vLLM: the connector's ``take_events``)."""
+        events, self._events = self._events, []
+        return events
 
     def is_ready(self, key: OffloadKey) -> bool:
         chunk = self.policy.get(key)
@@ -251,7 +255,7 @@ class OffloadManager:
         self.stats["evicted_chunks"] += len(victims)
         if self.enable_events:
             for g, hashes in removed.items():
-                self.events.append(BlockRemoved(hashes, MEDIUM_CPU, g))
+                self._events.append(BlockRemoved(hashes, MEDIUM_CPU, g))
 
     # ---- completion -----------------------------------------------------------------
 
@@ -277,7 +281,7 @@ class OffloadManager:
                     chunk.ref_cnt = 0  # readable and evictable from now on
                     self.stats["stored_chunks"] += 1
                     if self.enable_events:
-                        self.events.append(self._stored_event(key))
+                        self._events.append(self._stored_event(key))
 
     def _stored_event(self, key: OffloadKey) -> BlockStored:
         info = self._info[key]

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine_adapter.coordinator import KVCacheManager
+from engine_adapter.kv_cache_manager import KVCacheManager
 from engine_adapter.request import Request
 from engine_adapter.sim.metrics import EngineMetrics
 from engine_adapter.sim.timing import TimingModel

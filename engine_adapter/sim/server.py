@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import uvicorn
 from fastapi import FastAPI
 
-from engine_adapter.coordinator import KVCacheManager
+from engine_adapter.kv_cache_manager import KVCacheManager
 from engine_adapter.offload.manager import OffloadConfig
 from engine_adapter.profiles import ModelProfile, get_profile
 from engine_adapter.sim.app import create_app

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from router.index.base import NUM_TIERS
+from router.index.base import group_tier
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -178,7 +178,7 @@ def _blocks(counts: dict[int, int] | None) -> list[dict[str, int | str]] | None:
         return None
     out: list[dict[str, int | str]] = []
     for slot, n in sorted(counts.items()):
-        group, tier = divmod(slot, NUM_TIERS)
+        group, tier = group_tier(slot)
         out.append({"group": group, "tier": TIERS[tier], "blocks": n})
     return out
 

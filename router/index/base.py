@@ -15,7 +15,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from events.structs import ExternalBlockHash, KVEventBatch
+from events.hashing import wire_hash as to_wire  # re-exported: the index API speaks it
+from events.structs import KVEventBatch
 
 __all__ = [
     "NUM_TIERS",
@@ -24,12 +25,11 @@ __all__ = [
     "Residency",
     "Tier",
     "columns_from_rows",
+    "group_tier",
     "slot_of",
     "tier_of",
     "to_wire",
 ]
-
-_U64 = (1 << 64) - 1
 
 
 class Tier(IntEnum):
@@ -43,6 +43,8 @@ class Tier(IntEnum):
 NUM_TIERS = 2
 
 # slot -> bitmask over the request's block positions (bit i <=> block_hashes[i] resident).
+# A slot is one (KV cache group, tier) column, packed into an int because it keys the
+# hottest dicts of a decision; ``slot_of`` and ``group_tier`` are the only encoders.
 Residency = dict[int, int]
 
 
@@ -52,16 +54,14 @@ def tier_of(medium: str | None) -> Tier:
 
 
 def slot_of(group_idx: int | None, tier: int) -> int:
+    """The residency slot of (group, tier); vLLM's events omit ``group_idx`` for group 0."""
     return (group_idx or 0) * NUM_TIERS + tier
 
 
-def to_wire(h: ExternalBlockHash) -> int:
-    """A wire hash as u64: ints pass through, raw digests give their low 64 bits (BE)."""
-    if type(h) is int:
-        return h & _U64
-    if isinstance(h, bytes | bytearray | memoryview):
-        return int.from_bytes(bytes(h)[-8:], "big")
-    raise TypeError(f"block hash must be int or bytes, got {type(h).__name__}")
+def group_tier(slot: int) -> tuple[int, Tier]:
+    """The (group, tier) a residency slot stands for."""
+    g, t = divmod(slot, NUM_TIERS)
+    return g, Tier(t)
 
 
 @dataclass(slots=True)

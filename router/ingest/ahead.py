@@ -4,8 +4,8 @@ is ready as the next chunk (one index round trip for a backlog, not one per batc
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
+from events.subscriber import SubscriberItem
 from router.ingest.sources import EventSource
 
 
@@ -22,7 +22,7 @@ class ReadAhead:
     read before it."""
 
     def __init__(self, source: EventSource, depth: int = 1024) -> None:
-        self._queue: asyncio.Queue[Any] = asyncio.Queue(depth)
+        self._queue: asyncio.Queue[SubscriberItem | _End] = asyncio.Queue(depth)
         self._end: _End | None = None
         self._task = asyncio.get_running_loop().create_task(self._read(source))
 
@@ -35,14 +35,14 @@ class ReadAhead:
         else:
             await self._queue.put(_End())
 
-    async def next(self, limit: int) -> list[Any]:
+    async def next(self, limit: int) -> list[SubscriberItem]:
         """Up to ``limit`` items: waits for the first, takes the rest only if already
         queued. ``[]`` once the source has ended; raises its error instead if it failed."""
-        out: list[Any] = []
+        out: list[SubscriberItem] = []
         if self._end is None:
             item = await self._queue.get()
             while True:
-                if type(item) is _End:
+                if isinstance(item, _End):
                     self._end = item
                     break
                 out.append(item)

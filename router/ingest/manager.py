@@ -7,11 +7,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from events.structs import KVEventBatch
+from events.subscriber import BatchesMissed, BatchReceived, SourceRestarted, SubscriberItem
 from router.index.base import BlockIndex
 from router.ingest.ahead import ReadAhead
 from router.ingest.checks import impossible, plausible_ts
@@ -215,44 +215,45 @@ class IngestManager:
             else:
                 start_seq = None
 
-    async def _handle_many(self, feed: Feed, items: list[Any]) -> bool:
+    async def _handle_many(self, feed: Feed, items: list[SubscriberItem]) -> bool:
         """Handle subscriber items in order, each run of batches with one ``apply_many``;
         True asks for a resubscription from seq 0 (the rest of ``items`` is dropped with
         the subscriber, as a resubscription would deliver it again)."""
         i = 0
         while i < len(items):
-            if type(items[i]).__name__ != "BatchReceived":
-                if await self._handle(feed, items[i]):
+            first = items[i]
+            if not isinstance(first, BatchReceived):
+                if await self._handle(feed, first):
                     return True
                 i += 1
                 continue
-            j, blocks = i, 0
-            while (
-                j < len(items)
-                and type(items[j]).__name__ == "BatchReceived"
-                and (j == i or blocks < self._drain_blocks)
-            ):
-                blocks += _blocks(items[j].batch)
-                j += 1
-            if await self._apply_run(feed, items[i:j]):
+            run: list[BatchReceived] = []
+            blocks = 0
+            for item in items[i:]:
+                if not isinstance(item, BatchReceived) or (run and blocks >= self._drain_blocks):
+                    break
+                blocks += _blocks(item.batch)
+                run.append(item)
+            j = i + len(run)
+            if await self._apply_run(feed, run):
                 return True
             i = j
         return False
 
-    async def _handle(self, feed: Feed, item: Any) -> bool:
+    async def _handle(self, feed: Feed, item: SourceRestarted | BatchesMissed) -> bool:
         """Handle one subscriber item other than a batch; True asks for a resubscription."""
         name = feed.source.name
-        kind = type(item).__name__
-        if kind == "SourceRestarted":
-            log.warning("%s: publisher restarted (seq %d -> %d)", name, item.last_seq, item.new_seq)
-            self.metrics.restarts.labels(name).inc()
-            feed.pending_reset = True
-            return False
-        if kind == "BatchesMissed":
-            self.metrics.missed.labels(name).inc(item.last_seq - item.first_seq + 1)
-            if feed.resyncing:
-                return False  # older than the publisher's buffer: nothing more to get
-            return await self._resync(feed)
+        match item:
+            case SourceRestarted(last_seq=last, new_seq=new):
+                log.warning("%s: publisher restarted (seq %d -> %d)", name, last, new)
+                self.metrics.restarts.labels(name).inc()
+                feed.pending_reset = True
+                return False
+            case BatchesMissed(first_seq=first, last_seq=last):
+                self.metrics.missed.labels(name).inc(last - first + 1)
+                if feed.resyncing:
+                    return False  # older than the publisher's buffer: nothing more to get
+                return await self._resync(feed)
         log.warning("%s: unknown subscriber item %r ignored", name, item)
         return False
 
@@ -270,7 +271,7 @@ class IngestManager:
         feed.last_seq = None  # waiters wait for the rebuilt state, not the cleared one
         return True
 
-    async def _apply_run(self, feed: Feed, recs: list[Any]) -> bool:
+    async def _apply_run(self, feed: Feed, recs: list[BatchReceived]) -> bool:
         """``BatchReceived`` items, in seq order: checked, applied with one ``apply_many``,
         counted one by one. A batch that fails (the index failed, or lost our state) is
         counted as ``error`` and forces a resync; without a replay endpoint the batches
@@ -302,7 +303,7 @@ class IngestManager:
             self._count(feed, recs[k], batches[k], status[k])
         return False
 
-    def _check(self, name: str, recs: list[Any]) -> tuple[list[KVEventBatch], list[str]]:
+    def _check(self, name: str, recs: list[BatchReceived]) -> tuple[list[KVEventBatch], list[str]]:
         """The batches to apply (impossible events dropped) and their status so far:
         ``invalid`` for an impossible ts -- applied, its (ts, seq) would make every later
         batch look stale -- else "" (to apply)."""
@@ -364,7 +365,7 @@ class IngestManager:
             return out
         return ["error"]
 
-    def _count(self, feed: Feed, rec: Any, batch: KVEventBatch, status: str) -> None:
+    def _count(self, feed: Feed, rec: BatchReceived, batch: KVEventBatch, status: str) -> None:
         """Per-batch metrics and progress (``last_seq``, ``wait_for_seq`` waiters)."""
         name = feed.source.name
         m = self.metrics

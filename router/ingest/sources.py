@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
+
+from events.subscriber import SubscriberItem
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +25,7 @@ class EventSource(Protocol):
     """What ingest needs of a subscriber (``events.subscriber.ZmqEventSubscriber``)."""
 
     async def start(self) -> None: ...
-    def __aiter__(self) -> AsyncIterator[Any]: ...
+    def __aiter__(self) -> AsyncIterator[SubscriberItem]: ...
     async def close(self) -> None: ...
 
 

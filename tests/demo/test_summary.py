@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import generate_latest
 
-from bench.demo import (
+from stack.demo import (
     DemoConfig,
     RequestRecord,
     Workload,

@@ -6,7 +6,7 @@ import random
 from collections import Counter
 from collections.abc import Callable, Iterable
 
-from engine_adapter.coordinator import KVCacheManager
+from engine_adapter.kv_cache_manager import KVCacheManager
 from engine_adapter.request import Request
 from events.structs import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 

@@ -8,7 +8,7 @@ import pytest
 from ea_helpers import EventState, admit, decode, events_of, prefill, tokens
 
 from engine_adapter.block_pool import BlockPool
-from engine_adapter.coordinator import KVCacheManager
+from engine_adapter.kv_cache_manager import KVCacheManager
 from engine_adapter.profiles import get_profile
 from events.hashing import hash_request_blocks, wire_hash
 from events.structs import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
@@ -123,8 +123,20 @@ def test_uncached_blocks_are_reused_before_cached_ones() -> None:
     (first,) = pool.get_new_blocks(1)
     assert first is b
     (second,) = pool.get_new_blocks(1)
-    assert second is a and pool.events and isinstance(pool.events[0], BlockRemoved)
+    assert second is a
+    (removed,) = pool.take_events()  # the pool owns its queue; draining empties it
+    assert isinstance(removed, BlockRemoved) and pool.take_events() == []
     pool.free_blocks([c, d, second])
+
+
+def test_a_pool_stamps_its_own_medium_on_its_events() -> None:
+    pool = BlockPool(3, medium="CPU")
+    (a,) = pool.get_new_blocks(1)
+    pool.cache_block(a, (b"y" * 32, 1))
+    pool.free_blocks([a])
+    pool.get_new_blocks(2)  # reuses a: its key goes
+    (ev,) = pool.take_events()
+    assert isinstance(ev, BlockRemoved) and ev.medium == "CPU" and ev.group_idx == 1
 
 
 def test_duplicate_hash_removed_only_after_both_copies() -> None:
@@ -185,6 +197,16 @@ def test_reset_prefix_cache_refused_while_in_use_then_all_blocks_cleared() -> No
     assert kv.reset_prefix_cache()
     events = kv.take_events()
     assert len(events) == 1 and isinstance(events[0], AllBlocksCleared)
+
+
+def test_events_queued_before_a_reset_are_published_before_its_clear() -> None:
+    kv = full_kv(8)
+    a = kv.new_request("a", list(range(48)))
+    admit(kv, a)  # its BlockStored is still queued in the pool
+    kv.free(a)
+    assert kv.reset_prefix_cache()
+    kinds = [type(e) for e in kv.take_events()]
+    assert kinds == [BlockStored, AllBlocksCleared]
     assert kv.get_computed_blocks(kv.new_request("b", list(range(48)))) == 0
     assert not kv.residency()
 

@@ -12,7 +12,7 @@ import torch
 from ea_helpers import tokens
 
 import engine_adapter.offload.transfer as transfer_mod
-from engine_adapter.coordinator import KVCacheManager
+from engine_adapter.kv_cache_manager import KVCacheManager
 from engine_adapter.offload import OffloadConfig
 from engine_adapter.offload.transfer import GroupCopy, TransferEngine, coalesce
 from engine_adapter.profiles import get_profile

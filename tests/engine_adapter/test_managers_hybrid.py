@@ -7,7 +7,7 @@ import random
 import pytest
 from ea_helpers import EventState, admit, decode, events_of, prefill, tokens
 
-from engine_adapter.coordinator import KVCacheManager
+from engine_adapter.kv_cache_manager import KVCacheManager
 from engine_adapter.profiles import get_profile
 from events.groups import longest_cache_hit
 from events.structs import MEDIUM_GPU, BlockStored

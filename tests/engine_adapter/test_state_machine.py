@@ -22,7 +22,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from engine_adapter.coordinator import KVCacheManager
+from engine_adapter.kv_cache_manager import KVCacheManager
 from engine_adapter.offload import OffloadConfig
 from engine_adapter.profiles import PROFILE_NAMES, get_profile
 from engine_adapter.request import Request

@@ -8,7 +8,7 @@ import time
 import msgspec
 import pytest
 import zmq
-from events_testkit import (
+from eventskit import (
     END,
     connect_sub,
     free_port,

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 
 import pytest
-from events_testkit import (
+from eventskit import (
     FakeReplayServer,
     RawPub,
     free_port,

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from events_testkit import make_batch
+from eventskit import make_batch
 
 from events.publisher import ZmqEventPublisher
 from events.structs import BlockStored, KVEventBatch

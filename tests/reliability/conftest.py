@@ -1,6 +1,6 @@
 """Reliability and security suite: faults, fuzzing, load (issue #8).
 
-The scenarios live in ``bench/chaos/`` (``kvroute bench chaos`` runs them at full size);
+The scenarios live in ``stack/chaos/`` (``kvroute bench chaos`` runs them at full size);
 these tests run them small and assert on what they observed. Every process binds loopback:
 engines publish on ``ipc://`` sockets, replay and HTTP on 127.0.0.1.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.chaos import Fleet, Proc, start_engines
+from stack.chaos import Fleet, Proc, start_engines
 
 
 @pytest.fixture

@@ -9,10 +9,10 @@ import json
 
 import httpx
 
-from bench.chaos.procs import free_port
 from router.app import create_app
 from router.config import RouterSettings
 from router.state import RouterState
+from stack.procs import free_port
 
 ANSWER = {
     "id": "cmpl-1",

@@ -3,7 +3,7 @@ an error chunk, the dead engine's residency goes, and comes back from its new ev
 
 from __future__ import annotations
 
-from bench.chaos import Fleet, engine_kill
+from stack.chaos import Fleet, engine_kill
 
 
 async def test_engine_sigkill_mid_run_loses_nothing_unstarted_and_rebuilds_from_new_events(

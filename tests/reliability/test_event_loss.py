@@ -7,7 +7,7 @@ go through the real publisher, a lossy ZMQ proxy, the real subscriber and ingest
 
 from __future__ import annotations
 
-from bench.chaos import dropped_events
+from stack.chaos import dropped_events
 
 
 async def test_dropped_batches_are_replayed_and_the_index_equals_the_engine():

@@ -11,12 +11,12 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
-from bench.chaos import fuzz_events, hypothesis_payloads, random_payloads
 from events.codec import DecodeError, decode_batch, encode_batch
 from events.structs import BlockStored, KVEventBatch
 from events.subscriber import BatchReceived
 from router.index import MemoryIndex
 from router.ingest import IngestManager
+from stack.chaos import fuzz_events, hypothesis_payloads, random_payloads
 
 TOTAL = 10_000
 FROM_HYPOTHESIS = 1_000

@@ -10,7 +10,7 @@ import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.chaos import fuzz_http, http_cases, judge_http, oversize_checks
+from stack.chaos import fuzz_http, http_cases, judge_http, oversize_checks
 
 CASES = 300
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import zmq
 from prometheus_client import CollectorRegistry
 
-from bench.chaos import Fleet, free_port, redis_outage
 from events.publisher import ZmqEventPublisher
 from events.structs import BlockStored, KVEventBatch
 from router.index import MemoryIndex
 from router.ingest import IngestManager
+from stack.chaos import Fleet, free_port, redis_outage
 
 
 class VolatileIndex(MemoryIndex):

@@ -5,7 +5,7 @@ response id and one engine), router bookkeeping back to zero, memory back near b
 
 from __future__ import annotations
 
-from bench.chaos import Fleet, stream_load
+from stack.chaos import Fleet, stream_load
 
 STREAMS = 200
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import shutil
 import socket
-import subprocess
 import time
 import uuid
 
@@ -17,7 +15,6 @@ import redis
 import redis.asyncio.connection as rconn
 
 import router.app
-from bench.chaos import free_port
 from engine_adapter.sim.server import EngineSettings
 from events.structs import BlockStored, KVEventBatch
 from router.app import create_app
@@ -25,6 +22,8 @@ from router.config import RouterSettings
 from router.index import open_index
 from router.index.redis_index import RedisIndex
 from router.state import RouterState
+from stack.chaos import free_port
+from stack.procs import private_redis
 
 TOKEN = "s3cret-admin-token"
 
@@ -214,24 +213,9 @@ def test_redis_tls_and_auth_options_come_from_the_index_url():
 
 @pytest.fixture
 def redis_with_password():
-    port = free_port()
     password = uuid.uuid4().hex
-    exe = shutil.which("redis-server") or "/usr/bin/redis-server"
-    cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen([*cmd, "--requirepass", password], stdout=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis(port=port, password=password, socket_timeout=1).ping()
-                break
-            except redis.ConnectionError:
-                assert proc.poll() is None and time.monotonic() < deadline
-                time.sleep(0.02)
-        yield port, password
-    finally:
-        proc.kill()
-        proc.wait()
+    with private_redis("--requirepass", password) as server:
+        yield server.port, password
 
 
 async def test_redis_index_authenticates_with_the_password_in_the_url(redis_with_password):

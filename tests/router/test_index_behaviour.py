@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 from redis.exceptions import ResponseError
-from router_testkit import batch, new_namespace, positions, removed, stored
+from routerkit import batch, new_namespace, positions, removed, stored
 
 from events.structs import AllBlocksCleared
 from router.index import MemoryIndex, Tier, open_index, slot_of

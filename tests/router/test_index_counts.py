@@ -3,7 +3,7 @@ table), on both backends, through stores, duplicate stores, removals and clears.
 
 from __future__ import annotations
 
-from router_testkit import batch, removed, stored
+from routerkit import batch, removed, stored
 
 from router.index.base import NUM_TIERS, Tier, slot_of
 

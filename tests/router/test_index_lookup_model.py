@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from router_testkit import batch, removed, stored
+from routerkit import batch, removed, stored
 
 from events.structs import AllBlocksCleared
 from router.index import Tier, slot_of

@@ -9,13 +9,12 @@ import time
 import pytest
 import zmq
 from prometheus_client import CollectorRegistry
-from router_testkit import (
+from routerkit import (
     batch,
     catch_up,
     eventually,
     free_port,
     new_namespace,
-    private_redis,
     removed,
     stored,
 )
@@ -27,6 +26,7 @@ from router.index import MemoryIndex, Tier, slot_of
 from router.index.redis_index import RedisIndex
 from router.ingest import IngestManager, InstanceSource
 from router.layout import InstanceLayout, LayoutRegistry
+from stack.procs import private_redis
 
 G0, G1 = slot_of(0, Tier.GPU), slot_of(1, Tier.GPU)
 C0 = slot_of(0, Tier.CPU)

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import pytest
 from prometheus_client import CollectorRegistry
-from router_testkit import catch_up, free_port
+from routerkit import catch_up, free_port
 
-from engine_adapter.coordinator import KVCacheManager
+from engine_adapter.kv_cache_manager import KVCacheManager
 from engine_adapter.offload import OffloadConfig
 from engine_adapter.offload.lookup import num_cpu_hit_tokens
 from engine_adapter.profiles import get_profile

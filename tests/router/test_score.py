@@ -7,7 +7,7 @@ import random
 
 import pytest
 from prometheus_client import CollectorRegistry
-from router_testkit import batch, stored
+from routerkit import batch, stored
 
 from events.groups import (
     FullAttentionSpec,

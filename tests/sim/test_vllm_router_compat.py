@@ -14,7 +14,7 @@ import httpx
 import zmq
 from kvtest import engines, free_port
 
-from bench.replay.procs import EventForwarder
+from stack.procs import EventForwarder
 
 VLLM_ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
 DECISION = re.compile(r"KV prefix decision .*?credited_prefix_tokens=(\d+)")

@@ -4,7 +4,7 @@ Real vLLM (CPU build) is the oracle for what this project claims about vLLM's KV
 groups and events (docs: shared/docs/real-vllm-cpu.md). It lives in its own venv, so tests
 in the project venv drive it as a subprocess over HTTP and ZMQ; this module is that glue.
 Imports: stdlib, httpx, zmq and the project's own ``events`` (and ``free_port``/``ipc_endpoint``
-from ``bench.chaos.procs``, so ports never collide with other test helpers).
+from ``stack.procs``, so ports never collide with other test helpers).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from typing import Any
 import httpx
 import zmq
 
-from bench.chaos.procs import free_port, ipc_endpoint
 from engine_adapter.vllm_cpu import (
     MAKE_MODELS,
     MODEL_NAMES,
@@ -36,6 +35,7 @@ from engine_adapter.vllm_cpu import (
 )
 from events.codec import DecodeError, decode_batch
 from events.structs import BlockRemoved, BlockStored, KVEvent, KVEventBatch
+from stack.procs import free_port, ipc_endpoint
 
 __all__ = [
     "MAKE_MODELS",

@@ -19,7 +19,7 @@ from harness import bind_mode_config, free_port
 from router_driver import RouterUnderTest
 from workload import FORCED_TOKEN, Step, text
 
-from engine_adapter.coordinator import KVCacheManager
+from engine_adapter.kv_cache_manager import KVCacheManager
 from engine_adapter.profiles import get_profile
 from engine_adapter.sim.core import EngineCore, SchedulerConfig
 from engine_adapter.sim.timing import TimingModel

@@ -21,7 +21,7 @@ import pytest
 from harness import EventRecorder, RecordedBatch, bind_mode_config, free_port
 from workload import FORCED_TOKEN, SAMPLING, Step, mixed_stream, next_messages, record_reply
 
-from engine_adapter.coordinator import KVCacheManager
+from engine_adapter.kv_cache_manager import KVCacheManager
 from engine_adapter.profiles import get_profile
 from engine_adapter.sim.core import EngineCore, SchedulerConfig
 from engine_adapter.sim.timing import TimingModel

@@ -26,33 +26,33 @@ per scenario (``faults_engine``, ``faults_events``, ``faults_index``, ``fuzz_eve
 ``fuzz_http``, ``load``) and ``runner`` (the whole run and its table).
 """
 
-from bench.chaos.client import StreamOutcome, expected_text, scrape
-from bench.chaos.client import index_tokens as index_tokens
-from bench.chaos.client import metrics_text as metrics_text
-from bench.chaos.client import new_client as new_client
-from bench.chaos.client import route_view as route_view
-from bench.chaos.client import send_completion as send_completion
-from bench.chaos.client import wait_for as wait_for
-from bench.chaos.faults_engine import engine_kill
-from bench.chaos.faults_events import DropProxy as DropProxy
-from bench.chaos.faults_events import dropped_events
-from bench.chaos.faults_index import redis_outage
-from bench.chaos.fuzz_events import fuzz_events
-from bench.chaos.fuzz_events import hypothesis_payloads as hypothesis_payloads
-from bench.chaos.fuzz_events import random_payloads as random_payloads
-from bench.chaos.fuzz_http import fuzz_http, oversize_checks
-from bench.chaos.fuzz_http import http_cases as http_cases
-from bench.chaos.fuzz_http import judge_http as judge_http
-from bench.chaos.load import stream_load
-from bench.chaos.procs import KVROUTE as KVROUTE
-from bench.chaos.procs import LOOPBACK as LOOPBACK
-from bench.chaos.procs import REPO as REPO
-from bench.chaos.procs import Fleet, rss_mb
-from bench.chaos.procs import Proc as Proc
-from bench.chaos.procs import free_port as free_port
-from bench.chaos.procs import start_engines as start_engines
-from bench.chaos.procs import wait_http as wait_http
-from bench.chaos.runner import run
+from stack.chaos.client import StreamOutcome, expected_text, scrape
+from stack.chaos.client import index_tokens as index_tokens
+from stack.chaos.client import metrics_text as metrics_text
+from stack.chaos.client import new_client as new_client
+from stack.chaos.client import route_view as route_view
+from stack.chaos.client import send_completion as send_completion
+from stack.chaos.client import wait_for as wait_for
+from stack.chaos.faults_engine import engine_kill
+from stack.chaos.faults_events import DropProxy as DropProxy
+from stack.chaos.faults_events import dropped_events
+from stack.chaos.faults_index import redis_outage
+from stack.chaos.fuzz_events import fuzz_events
+from stack.chaos.fuzz_events import hypothesis_payloads as hypothesis_payloads
+from stack.chaos.fuzz_events import random_payloads as random_payloads
+from stack.chaos.fuzz_http import fuzz_http, oversize_checks
+from stack.chaos.fuzz_http import http_cases as http_cases
+from stack.chaos.fuzz_http import judge_http as judge_http
+from stack.chaos.load import stream_load
+from stack.chaos.runner import run
+from stack.procs import KVROUTE as KVROUTE
+from stack.procs import LOOPBACK as LOOPBACK
+from stack.procs import REPO as REPO
+from stack.procs import Fleet, rss_mb
+from stack.procs import Proc as Proc
+from stack.procs import free_port as free_port
+from stack.procs import start_engines as start_engines
+from stack.procs import wait_http as wait_http
 
 __all__ = [
     "Fleet",

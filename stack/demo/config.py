@@ -8,7 +8,7 @@ from pathlib import Path
 
 from router.policy import POLICIES
 
-logger = logging.getLogger("bench.demo")
+logger = logging.getLogger("stack.demo")
 
 
 MODEL = "kvroute-sim"

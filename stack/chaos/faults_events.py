@@ -8,7 +8,7 @@ import random
 import time
 from typing import Any
 
-from bench.chaos.procs import LOOPBACK, free_port
+from stack.procs import LOOPBACK, free_port
 
 
 class DropProxy:
@@ -60,7 +60,7 @@ class _EngineDriver:
     shared prefixes, chunked prefills, decodes, evictions. Publishes each step's batch."""
 
     def __init__(self, profile: str, gpu_blocks: int, publisher: Any, seed: int) -> None:
-        from engine_adapter.coordinator import KVCacheManager
+        from engine_adapter.kv_cache_manager import KVCacheManager
         from engine_adapter.offload import OffloadConfig
         from engine_adapter.profiles import get_profile
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from bench.demo.config import MODEL, DemoConfig, RequestRecord
+from stack.demo.config import MODEL, DemoConfig, RequestRecord
 
 # A small fixed vocabulary: prompts are deterministic in the seed and readable in logs.
 _VOCAB = (

@@ -10,14 +10,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.chaos.faults_engine import engine_kill
-from bench.chaos.faults_events import dropped_events
-from bench.chaos.faults_index import redis_outage
-from bench.chaos.fuzz_events import fuzz_events, hypothesis_payloads, random_payloads
-from bench.chaos.fuzz_http import fuzz_http, http_cases, oversize_checks
-from bench.chaos.load import stream_load
-from bench.chaos.procs import Fleet, start_engines
-from bench.common import write_report
+from stack.chaos.faults_engine import engine_kill
+from stack.chaos.faults_events import dropped_events
+from stack.chaos.faults_index import redis_outage
+from stack.chaos.fuzz_events import fuzz_events, hypothesis_payloads, random_payloads
+from stack.chaos.fuzz_http import fuzz_http, http_cases, oversize_checks
+from stack.chaos.load import stream_load
+from stack.procs import Fleet, start_engines
+from stack.report import write_report
 
 
 def _fmt(v: Any) -> str:

@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any
 
-from bench.chaos.client import (
+from stack.chaos.client import (
     StreamOutcome,
     holds,
     index_ok,
@@ -18,7 +18,7 @@ from bench.chaos.client import (
     send_completion,
     wait_for,
 )
-from bench.chaos.procs import LOOPBACK, Fleet, start_engines
+from stack.procs import LOOPBACK, Fleet, start_engines
 
 
 async def redis_outage(

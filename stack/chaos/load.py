@@ -6,8 +6,8 @@ import asyncio
 import time
 from typing import Any
 
-from bench.chaos.client import metrics_text, new_client, scrape, send_completion
-from bench.chaos.procs import Fleet, rss_mb, start_engines
+from stack.chaos.client import metrics_text, new_client, scrape, send_completion
+from stack.procs import Fleet, rss_mb, start_engines
 
 
 async def stream_load(

@@ -7,8 +7,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from bench.demo.config import RequestRecord
 from router.policy import make_policy
+from stack.demo.config import RequestRecord
 
 
 def _quantile(values: Sequence[float], q: float) -> float | None:

@@ -15,15 +15,15 @@ Modules: ``config`` (settings, record, error, hooks), ``workload`` (the chats),
 ``summary`` (the table row), ``processes`` (children and one round) and ``up`` (``run_up``).
 """
 
-from bench.demo.config import MODEL as MODEL
-from bench.demo.config import DemoConfig, DemoError, RequestRecord
-from bench.demo.config import Observer as Observer
-from bench.demo.processes import KVROUTE as KVROUTE
-from bench.demo.summary import prediction_accuracy_from_metrics as prediction_accuracy_from_metrics
-from bench.demo.summary import summarize
-from bench.demo.up import run_up
-from bench.demo.workload import Workload as Workload
-from bench.demo.workload import run_workload as run_workload
+from stack.demo.config import MODEL as MODEL
+from stack.demo.config import DemoConfig, DemoError, RequestRecord
+from stack.demo.config import Observer as Observer
+from stack.demo.processes import KVROUTE as KVROUTE
+from stack.demo.summary import prediction_accuracy_from_metrics as prediction_accuracy_from_metrics
+from stack.demo.summary import summarize
+from stack.demo.up import run_up
+from stack.demo.workload import Workload as Workload
+from stack.demo.workload import run_workload as run_workload
 
 __all__ = [
     "DemoConfig",

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from bench.chaos.client import (
+from stack.chaos.client import (
     StreamOutcome,
     healthy_is,
     holds,
@@ -23,7 +23,7 @@ from bench.chaos.client import (
     send_completion,
     wait_for,
 )
-from bench.chaos.procs import Fleet, start_engines
+from stack.procs import Fleet, start_engines
 
 
 async def engine_kill(

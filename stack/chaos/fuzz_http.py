@@ -11,9 +11,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from bench.chaos.client import new_client
-from bench.chaos.fuzz_events import mutate
-from bench.chaos.procs import LOOPBACK
+from stack.chaos.client import new_client
+from stack.chaos.fuzz_events import mutate
+from stack.procs import LOOPBACK
 
 _PATHS = ("/v1/completions", "/v1/chat/completions")
 _CONTENT_TYPES = [b"application/json", b"text/plain", b"application/x-www-form-urlencoded"]

@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Any
 
-from bench.chaos.procs import LOOPBACK, free_port
+from stack.procs import LOOPBACK, free_port
 
 _INSANE_INTS = [-1, -(2**63), 2**31, 10**12, 2**63 - 1, 2**64 - 1]
 _INSANE_TS = [float("nan"), float("inf"), -float("inf"), 1e300, -1.0, 0.0, 4e9]

@@ -15,12 +15,12 @@ from typing import Any
 
 import httpx
 
-from bench.demo.config import DemoConfig, DemoError, Observer
-from bench.demo.processes import Deployment, Ports, start_round
-from bench.demo.summary import summarize
-from bench.demo.workload import run_workload
+from stack.demo.config import DemoConfig, DemoError, Observer
+from stack.demo.processes import Deployment, start_round
+from stack.demo.summary import summarize
+from stack.demo.workload import run_workload
 
-logger = logging.getLogger("bench.demo")
+logger = logging.getLogger("stack.demo")
 
 
 def _router_metrics(router_url: str) -> str | None:
@@ -67,7 +67,6 @@ def run_up(
     )
     obs = observer or Observer()
     log_dir = Path(tempfile.mkdtemp(prefix="kvroute-up-"))
-    ports = Ports()
     rows: list[dict[str, Any]] = []
     pids: list[int] = []
     failed = True
@@ -78,7 +77,7 @@ def run_up(
             try:
                 obs.round_started(policy, cfg.total_requests)
                 obs.phase(policy, f"starting {cfg.engines} engines and the router")
-                router_url, engine_list = start_round(cfg, policy, dep, ports)
+                router_url, engine_list = start_round(cfg, policy, dep)
                 obs.stack_up(policy, router_url, [e.url for e in engine_list])
                 obs.phase(policy, "running the workload")
                 t0 = time.perf_counter()

@@ -71,7 +71,7 @@ class KVCacheManager:
         self.block_size = profile.block_size
         self.hash_algo = hash_algo
         self.hash_seed = hash_seed
-        self._events: list[KVCacheEvent] = []
+        self._pending: list[KVCacheEvent] = []  # drained early, ahead of a reset's clear
         self._enable_events = enable_kv_cache_events
         n_groups = profile.num_groups
         if pool_per_group:
@@ -106,14 +106,14 @@ class KVCacheManager:
         self.offload: OffloadManager | None = None
         if offload is not None:
             self.offload = OffloadManager(
-                offload, profile, self.gpu_kv, self._events, enable_events=enable_kv_cache_events
+                offload, profile, self.gpu_kv, enable_events=enable_kv_cache_events
             )
             for pool in self._unique_pools:
                 pool.reuse_hooks.append(self.offload.on_blocks_reused)
         self._scheduled: dict[str, Request] = {}
 
     def _new_pool(self, num_blocks: int) -> BlockPool:
-        return BlockPool(num_blocks, self._events, enable_events=self._enable_events)
+        return BlockPool(num_blocks, enable_events=self._enable_events)
 
     # ---- requests and hits ----------------------------------------------------------
 
@@ -291,9 +291,13 @@ class KVCacheManager:
     # ---- events and steps -----------------------------------------------------------
 
     def take_events(self) -> list[KVCacheEvent]:
-        """Drain events of all tiers, in the order they happened."""
-        events = list(self._events)
-        self._events.clear()
+        """Drain every pool's events, then the CPU tier's (vLLM's scheduler order: the KV
+        cache manager's, then the connector's). Within a medium, in the order they happened."""
+        events, self._pending = self._pending, []
+        for pool in self._unique_pools:
+            events += pool.take_events()
+        if self.offload is not None:
+            events += self.offload.take_events()
         return events
 
     def step_events(self, ts: float | None = None) -> KVEventBatch | None:
@@ -329,7 +333,8 @@ class KVCacheManager:
         for pool in self._unique_pools:
             pool.reset(emit=False)
         if self._enable_events:
-            self._events.append(AllBlocksCleared())
+            # Whatever happened before the reset is published before its clear.
+            self._pending = [*self.take_events(), AllBlocksCleared()]
         return True
 
     # ---- introspection --------------------------------------------------------------

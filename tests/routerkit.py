@@ -1,0 +1,96 @@
+"""Router test helpers: event builders, bit positions, condition waits, ingest catch-up.
+
+A plain module on the test path (pyproject: ``pythonpath = ["tests"]``); fixtures that use
+it are in ``tests/router/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from events.structs import BlockRemoved, BlockStored, KVEventBatch
+from stack.procs import free_port
+
+__all__ = [
+    "batch",
+    "catch_up",
+    "eventually",
+    "free_port",
+    "new_namespace",
+    "positions",
+    "removed",
+    "stored",
+]
+
+
+def new_namespace() -> str:
+    """A fresh Redis key namespace (hash-tagged, so a cluster keeps it on one slot)."""
+    return f"kvr:{{t{uuid.uuid4().hex[:10]}}}"
+
+
+# ---- event builders -----------------------------------------------------------------
+
+
+def stored(
+    hashes: list[int],
+    group: int | None = 0,
+    medium: str | None = "GPU",
+    *,
+    block_size: int = 16,
+    kind: str | None = None,
+    window: int | None = None,
+) -> BlockStored:
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=None,
+        token_ids=[] if block_size == 0 else [1] * (block_size * len(hashes)),
+        block_size=block_size,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+        group_idx=group,
+        kv_cache_spec_kind=kind,
+        kv_cache_spec_sliding_window=window,
+    )
+
+
+def removed(hashes: list[int], group: int | None = 0, medium: str | None = "GPU") -> BlockRemoved:
+    return BlockRemoved(block_hashes=list(hashes), medium=medium, group_idx=group)
+
+
+def batch(*events: object, ts: float = 1.0) -> KVEventBatch:
+    return KVEventBatch(ts=ts, events=list(events))  # type: ignore[arg-type]
+
+
+def positions(mask: int) -> list[int]:
+    return [i for i in range(mask.bit_length()) if (mask >> i) & 1]
+
+
+async def eventually(check, timeout: float = 10.0, interval: float = 0.02):
+    """Poll ``await check()`` until it returns a truthy value; return it (or fail)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = await check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s (last: {got!r})")
+        await asyncio.sleep(interval)
+
+
+async def catch_up(manager, name: str, publisher, seq: int, timeout: float = 10.0) -> int:
+    """Wait until ``manager`` applied ``seq`` of ``name``. A batch lost to ZMQ's slow
+    joiner is healed by replay once a later one arrives, so publish empty fillers while
+    waiting; returns the last seq published."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            await manager.wait_for_seq(name, seq, timeout=0.3)
+            return seq
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise
+            publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+            seq += 1
