@@ -9,20 +9,16 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import zmq
 
 from bench.replay.config import ReplayConfig
-from stack.procs import EventForwarder, free_port
+from stack.procs import KVROUTE, EventForwarder, Proc, free_port, wait_http
 
 __all__ = [
     "EngineHandle",
@@ -36,60 +32,21 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-KVROUTE = [sys.executable, "-m", "kvroute_cli.main"]
 BIN = Path(sys.executable).parent
-
-
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-    log_path: Path
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def stop(self, timeout: float = 10.0) -> int | None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                log.warning("%s ignored SIGTERM for %.0fs; killing", self.name, timeout)
-                self.popen.kill()
-                self.popen.wait(5)
-        return self.popen.returncode
-
-    def tail(self, chars: int = 2000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
 
 
 def spawn(name: str, cmd: Sequence[str], logdir: Path) -> Proc:
     logdir.mkdir(parents=True, exist_ok=True)
-    path = logdir / f"{name}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with path.open("wb") as fh:
-        fh.write((" ".join(cmd) + "\n").encode())
-        fh.flush()
-        popen = subprocess.Popen(
-            list(cmd), stdout=fh, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL
-        )
-    return Proc(name, popen, path)
+    return Proc(name, list(cmd), 0, logdir / f"{name}.log").launch()
 
 
 def wait_healthy(url: str, proc: Proc, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            raise RuntimeError(f"{proc.name} exited early:\n{proc.tail()}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"{proc.name}: {url} not healthy after {timeout:.0f}s\n{proc.tail()}")
+    """``url`` answers 200, or raise with the log's tail (the process died or hung)."""
+    assert proc.proc is not None
+    try:
+        wait_http(url, timeout, proc.proc)
+    except (RuntimeError, TimeoutError) as exc:
+        raise RuntimeError(f"{proc.name}: {exc}\n{proc.tail(2000)}") from None
 
 
 @dataclass
@@ -135,7 +92,7 @@ def running_engines(
             forwarders.append(fwd)
             events_cfg = {
                 "enable_kv_cache_events": True,
-                "endpoint": f"tcp://127.0.0.1:{fwd.in_port}",
+                "endpoint": fwd.in_endpoint,
                 "replay_endpoint": f"tcp://127.0.0.1:{rp}",
             }
             cmd = [*KVROUTE, "--log-level", "WARNING", "engine", "--host", "127.0.0.1"]
