@@ -14,6 +14,7 @@ from events.structs import BlockRemoved, BlockStored, KVEventBatch
 from stack.procs import free_port
 
 __all__ = [
+    "PlayedSource",
     "batch",
     "catch_up",
     "eventually",
@@ -94,3 +95,28 @@ async def catch_up(manager, name: str, publisher, seq: int, timeout: float = 10.
                 raise
             publisher.publish(KVEventBatch(ts=time.time(), events=[]))
             seq += 1
+
+
+class PlayedSource:
+    """An event source that plays fixed subscriber items, then idles like a quiet publisher
+    until closed (``IngestManager``'s ``source_factory`` hook)."""
+
+    def __init__(self, items: list) -> None:
+        self.items = list(items)
+        self._closed = asyncio.Event()
+
+    async def start(self) -> None:
+        return None
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.items:
+            return self.items.pop(0)
+        await self._closed.wait()
+        raise StopAsyncIteration
+
+    async def close(self) -> None:
+        self.items.clear()
+        self._closed.set()

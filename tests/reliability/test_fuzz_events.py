@@ -4,12 +4,12 @@ hang or freeze the feed."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
+from routerkit import PlayedSource
 
 from events.codec import DecodeError, decode_batch, encode_batch
 from events.structs import BlockStored, KVEventBatch
@@ -61,27 +61,6 @@ def test_decode_batch_turns_an_unhashable_event_tag_into_a_decode_error():
         decode_batch(msgspec.msgpack.encode([1.0, [[{}]], 0]))
 
 
-class _Source:
-    """Plays fixed subscriber items (``IngestManager``'s ``source_factory`` hook)."""
-
-    def __init__(self, items: list[object]) -> None:
-        self.items = list(items)
-
-    async def start(self) -> None:
-        return None
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if not self.items:
-            await asyncio.sleep(3600)
-        return self.items.pop(0)
-
-    async def close(self) -> None:
-        self.items.clear()
-
-
 def _stored(h: int, group: int | None = 0, ts: float | None = None) -> KVEventBatch:
     ev = BlockStored([h], None, [], 16, None, "GPU", None, group_idx=group)
     batch = KVEventBatch(ts=time.time() if ts is None else ts, events=[ev])
@@ -104,7 +83,7 @@ async def test_impossible_group_indexes_and_timestamps_are_dropped_not_fatal():
     mgr = IngestManager(
         index,
         registry=reg,
-        source_factory=lambda source, start: _Source(items),
+        source_factory=lambda source, start: PlayedSource(items),
         heartbeat_s=None,
         cursor_check_s=None,
     )

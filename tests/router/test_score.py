@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 import pytest
 from prometheus_client import CollectorRegistry
-from routerkit import batch, stored
+from routerkit import PlayedSource, batch, stored
 
 from events.groups import (
     FullAttentionSpec,
@@ -233,7 +232,7 @@ async def test_a_reader_router_adopts_layouts_the_ingester_shared(make_index):
         )
     ]
     mgr = IngestManager(
-        writer_index, registry=CollectorRegistry(), source_factory=lambda s, q: _Once(src)
+        writer_index, registry=CollectorRegistry(), source_factory=lambda s, q: PlayedSource(src)
     )
     await mgr.add_instance("e1", "tcp://x:1")
     await mgr.wait_for_seq("e1", 0)
@@ -243,23 +242,3 @@ async def test_a_reader_router_adopts_layouts_the_ingester_shared(make_index):
     scores = await Scorer(reader_index, reader).score([1, 2, 3], 48)
     assert scores == {"e1": Score(32, 0)}
     await mgr.close()
-
-
-class _Once:
-    def __init__(self, items: list) -> None:
-        self.items = list(items)
-
-    async def start(self) -> None:
-        return None
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if self.items:
-            return self.items.pop(0)
-        await asyncio.Event().wait()  # idle like a quiet publisher until cancelled
-        raise StopAsyncIteration
-
-    async def close(self) -> None:
-        return None
