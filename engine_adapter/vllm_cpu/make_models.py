@@ -102,7 +102,12 @@ def check_tokenizer(out: Path) -> None:
 
 
 def _common() -> dict:
+    """What every tiny model shares: the byte vocabulary and its special ids, and a 64-wide
+    body with 2 query heads (small enough to start in seconds on a CPU)."""
     return {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
         "vocab_size": VOCAB_SIZE,
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
@@ -118,9 +123,6 @@ def gemma3() -> transformers.PreTrainedModel:
         num_hidden_layers=6,
         layer_types=["sliding_attention"] * 5 + ["full_attention"],
         sliding_window=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=32,
         query_pre_attn_scalar=32,
@@ -138,9 +140,6 @@ def qwen3next() -> transformers.PreTrainedModel:
     cfg = transformers.Qwen3NextConfig(
         num_hidden_layers=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=64,
         linear_num_key_heads=2,
@@ -162,9 +161,6 @@ def llama() -> transformers.PreTrainedModel:
     """The plain case: one full-attention group."""
     cfg = transformers.LlamaConfig(
         num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=2,
         num_key_value_heads=2,
         head_dim=32,
         **_common(),
