@@ -1,8 +1,9 @@
 """``kvroute bench chaos``: inject faults into a live deployment and count what they cost.
 
 Every scenario runs real processes on loopback (engines, a router, Redis) or the real
-in-process event path, injects one kind of fault and returns a row of figures plus the
-raw observations the reliability tests (``tests/reliability``) assert on:
+in-process event path, injects one kind of fault and returns a typed result: the raw
+observations the reliability tests (``tests/reliability``) assert on, and the row of
+figures the table prints:
 
 * ``engine_kill``: SIGKILL an engine while streams run through the router. Requests that
   had no first byte must be retried elsewhere (0 lost); streams already started must end
@@ -19,11 +20,15 @@ raw observations the reliability tests (``tests/reliability``) assert on:
 * ``stream_load``: many concurrent streams through the router, each stream's text checked
   against the engine's deterministic filler; the router's RSS before and after.
 
+The result types live in ``results`` (one dataclass per scenario, each field commented);
+the runner prints each result's ``row()`` and writes its ``asdict`` into ``chaos.json``.
+
 ``run(out, ...)`` runs them all, prints the table and writes ``out/chaos.json``.
 
 Modules: ``procs`` (child processes), ``client`` (requests, answers, probes), one module
 per scenario (``faults_engine``, ``faults_events``, ``faults_index``, ``fuzz_events``,
-``fuzz_http``, ``load``) and ``runner`` (the whole run and its table).
+``fuzz_http``, ``load``), ``results`` (what they return) and ``runner`` (the whole run and
+its table).
 """
 
 from stack.chaos.client import StreamOutcome, expected_text, scrape
@@ -44,6 +49,21 @@ from stack.chaos.fuzz_http import fuzz_http, oversize_checks
 from stack.chaos.fuzz_http import http_cases as http_cases
 from stack.chaos.fuzz_http import judge_http as judge_http
 from stack.chaos.load import stream_load
+from stack.chaos.results import (
+    ChaosResult,
+    ChunkedAnswer,
+    DroppedEventsResult,
+    EngineKillResult,
+    FuzzEventsResult,
+    FuzzHttpResult,
+    HttpFuzzRun,
+    MsgpackFuzzRun,
+    OversizeAnswer,
+    OversizeResult,
+    RedisOutageResult,
+    Row,
+    StreamLoadResult,
+)
 from stack.chaos.runner import run
 from stack.procs import KVROUTE as KVROUTE
 from stack.procs import LOOPBACK as LOOPBACK
@@ -55,7 +75,20 @@ from stack.procs import start_engines as start_engines
 from stack.procs import wait_http as wait_http
 
 __all__ = [
+    "ChaosResult",
+    "ChunkedAnswer",
+    "DroppedEventsResult",
+    "EngineKillResult",
     "Fleet",
+    "FuzzEventsResult",
+    "FuzzHttpResult",
+    "HttpFuzzRun",
+    "MsgpackFuzzRun",
+    "OversizeAnswer",
+    "OversizeResult",
+    "RedisOutageResult",
+    "Row",
+    "StreamLoadResult",
     "StreamOutcome",
     "dropped_events",
     "engine_kill",

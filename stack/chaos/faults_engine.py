@@ -6,7 +6,6 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable
-from typing import Any
 
 import httpx
 
@@ -23,6 +22,7 @@ from stack.chaos.client import (
     send_completion,
     wait_for,
 )
+from stack.chaos.results import EngineKillResult
 from stack.procs import Fleet, start_engines
 
 
@@ -33,7 +33,7 @@ async def engine_kill(
     spread_s: float = 3.0,
     max_tokens: int = 48,
     engine_args: tuple[str, ...] = ("--profile", "full", "--time-scale", "1"),
-) -> dict[str, Any]:
+) -> EngineKillResult:
     """Two engines behind a router; streams arrive over ``spread_s``; engine A is killed
     while some of its streams run and more requests are still to come; then A restarts
     on the same ports."""
@@ -42,7 +42,6 @@ async def engine_kill(
     router = fleet.router([a, b], env={"KVROUTE_ADMIN_TOKEN": token})
     admin = {"authorization": f"Bearer {token}"}
     old_prompt = f"residency of the first incarnation {uuid.uuid4().hex} " * 6
-    res: dict[str, Any] = {"fault": "engine SIGKILL mid-stream", "injected": 1}
     async with new_client(requests + 20) as client:
         # A holds prompts the router knows about (sent to A directly, not routed).
         for i in range(6):
@@ -54,7 +53,7 @@ async def engine_kill(
             30,
             what="the router to ingest A's blocks",
         )
-        res["old_last_seq"] = await _admin_last_seq(client, router.url, admin, a.url)
+        old_last_seq = await _admin_last_seq(client, router.url, admin, a.url)
 
         async def one(i: int) -> StreamOutcome:
             await asyncio.sleep(spread_s * i / requests)
@@ -75,12 +74,11 @@ async def engine_kill(
         tasks = [asyncio.create_task(one(i)) for i in range(requests)]
         try:
             # Kill A once some of its streams are running, while later requests are pending.
-            res["first_running_on_killed_s"] = await streams_on_a()
+            first_running_s = await streams_on_a()
             await asyncio.sleep(max(0.0, spread_s * 0.3 - (time.monotonic() - t_start)))
             await streams_on_a()
             t_kill = time.monotonic()
             a.kill()
-            res["kill_at_s"] = t_kill - t_start
             down_s = await wait_for(
                 lambda: healthy_is(client, router.url, a.url, 0.0),
                 15,
@@ -92,27 +90,13 @@ async def engine_kill(
             for t in tasks:
                 t.cancel()
             raise
-        res["requests"] = len(outcomes)
-        res["sent_after_kill"] = sum(1 for o in outcomes if o.started_at > t_kill)
-        res["running_at_kill"] = sum(
-            1 for o in outcomes if o.started_at < t_kill and o.ended_at > t_kill
-        )
-        res["broken_streams"] = [o.index for o in outcomes if o.failed_cleanly]
-        res["broken_streams_not_from_killed"] = [
-            o.index for o in outcomes if o.failed_cleanly and o.instance != a.url
-        ]
-        res["lost"] = [o.describe() for o in outcomes if o.lost]
-        res["served_by"] = {
-            u: sum(1 for o in outcomes if o.ok and o.instance == u) for u in (a.url, b.url)
-        }
-        res["detect_down_s"] = down_s
         metrics = await metrics_text(client, router.url)
-        res["resyncs_after_kill"] = scrape(metrics, "kvroute_ingest_resyncs_total", instance=a.url)
+        resyncs_after_kill = scrape(metrics, "kvroute_ingest_resyncs_total", instance=a.url)
 
         # A comes back on the same ports: a new incarnation, sequence from 0, empty cache.
         t_restart = time.monotonic()
         fleet.restart(a).wait_ready()
-        res["restart_s"] = time.monotonic() - t_restart
+        restart_s = time.monotonic() - t_restart
         up_s = await wait_for(
             lambda: healthy_is(client, router.url, a.url, 1.0),
             20,
@@ -121,7 +105,7 @@ async def engine_kill(
         )
         # Before A publishes anything, the router must credit it with nothing.
         view = await route_view(client, router.url, old_prompt)
-        res["old_residency_after_restart"] = index_tokens(view, a.url)
+        old_after_restart = index_tokens(view, a.url)
         new_prompt = f"second incarnation {uuid.uuid4().hex} " * 6
 
         async def rebuilt() -> bool:
@@ -131,13 +115,32 @@ async def engine_kill(
 
         rebuild_s = await wait_for(rebuilt, 20, interval=0.3, what="A's new events")
         view = await route_view(client, router.url, old_prompt)
-        res["old_residency_after_rebuild"] = index_tokens(view, a.url)
-        res["new_last_seq"] = await _admin_last_seq(client, router.url, admin, a.url)
-        res["recovery_s"] = time.monotonic() - t_restart
-        res["up_after_restart_s"] = up_s
-        res["rebuild_s"] = rebuild_s
-    res["lost_count"] = len(res["lost"])
-    return res
+        old_after_rebuild = index_tokens(view, a.url)
+        new_last_seq = await _admin_last_seq(client, router.url, admin, a.url)
+        recovery_s = time.monotonic() - t_restart
+    return EngineKillResult(
+        old_last_seq=old_last_seq,
+        first_running_on_killed_s=first_running_s,
+        kill_at_s=t_kill - t_start,
+        requests=len(outcomes),
+        sent_after_kill=sum(1 for o in outcomes if o.started_at > t_kill),
+        running_at_kill=sum(1 for o in outcomes if o.started_at < t_kill and o.ended_at > t_kill),
+        broken_streams=[o.index for o in outcomes if o.failed_cleanly],
+        broken_streams_not_from_killed=[
+            o.index for o in outcomes if o.failed_cleanly and o.instance != a.url
+        ],
+        lost=[o.describe() for o in outcomes if o.lost],
+        served_by={u: sum(1 for o in outcomes if o.ok and o.instance == u) for u in (a.url, b.url)},
+        detect_down_s=down_s,
+        resyncs_after_kill=resyncs_after_kill,
+        restart_s=restart_s,
+        old_residency_after_restart=old_after_restart,
+        old_residency_after_rebuild=old_after_rebuild,
+        new_last_seq=new_last_seq,
+        recovery_s=recovery_s,
+        up_after_restart_s=up_s,
+        rebuild_s=rebuild_s,
+    )
 
 
 async def _admin_last_seq(

@@ -8,6 +8,7 @@ import random
 import time
 from typing import Any
 
+from stack.chaos.results import DroppedEventsResult
 from stack.procs import LOOPBACK, free_port
 
 
@@ -176,7 +177,7 @@ async def dropped_events(
     seed: int = 0,
     profile: str = "swa-hybrid",
     gpu_blocks: int = 80,
-) -> dict[str, Any]:
+) -> DroppedEventsResult:
     """One engine's events through a lossy proxy into ``IngestManager`` + ``MemoryIndex``;
     ``drop`` consecutive batches vanish mid-run. With ``buffer_steps`` larger than what
     follows, replay heals the gap; smaller, the instance must be cleared and rebuilt."""
@@ -198,11 +199,6 @@ async def dropped_events(
     index, reg = MemoryIndex(), CollectorRegistry()
     mgr = IngestManager(index, registry=reg, replay_timeout=2.0)
     name = "engine"
-    res: dict[str, Any] = {
-        "fault": "event batches dropped"
-        + (" (replayable)" if buffer_steps > steps else " (beyond replay buffer)"),
-        "buffer_steps": buffer_steps,
-    }
     try:
         await mgr.add_instance(
             name, f"tcp://{LOOPBACK}:{down}", f"tcp://{LOOPBACK}:{rep}", start_seq=0
@@ -217,40 +213,44 @@ async def dropped_events(
             if engine.published >= first + drop:
                 break
             engine.step()
-        res["dropped_removals"] = sum(engine.removals[first : first + drop])
+        dropped_removals = sum(engine.removals[first : first + drop])
         # The next batch through reveals the gap: time until it (and the gap) is applied.
         t0 = time.monotonic()
         seq = engine.filler()
         await _caught_up(mgr, name, engine, seq, 30)
-        res["recovery_s"] = time.monotonic() - t0
+        recovery_s = time.monotonic() - t0
         # Right after the gap is handled: never stale (lost history may be missing).
-        truth, got = engine.truth(), await _index_entries(index, name, engine.hashes)
-        res["stale_after_gap"] = len(got - truth)
-        res["missing_after_gap"] = len(truth - got)
+        truth_at_gap, got_at_gap = engine.truth(), await _index_entries(index, name, engine.hashes)
         for _ in range(steps - steps // 3):
             engine.step()
         await _caught_up(mgr, name, engine, engine.finish(), 30)
         truth = engine.truth()
         got = await _index_entries(index, name, engine.hashes)
-        res["injected"] = proxy.dropped
-        res["batches"] = engine.published
-        res["truth_entries"] = len(truth)
-        res["index_entries"] = len(got)
-        res["stale"] = len(got - truth)  # held by the index, not by the engine: must be 0
-        res["missing"] = len(truth - got)  # under-prediction (lost history)
-        res["exact"] = got == truth
 
         def m(metric: str) -> float:
             return reg.get_sample_value(metric, {"instance": name}) or 0.0
 
-        res["gaps"] = m("kvroute_ingest_gaps_total")
-        res["missed_batches"] = m("kvroute_ingest_missed_batches_total")
-        res["replayed_batches"] = m("kvroute_ingest_replayed_batches_total")
-        res["resyncs"] = m("kvroute_ingest_resyncs_total")
-        res["lost_count"] = res["stale"] + res["stale_after_gap"]
+        return DroppedEventsResult(
+            buffer_steps=buffer_steps,
+            replayable=buffer_steps > steps,
+            dropped_removals=dropped_removals,
+            recovery_s=recovery_s,
+            stale_after_gap=len(got_at_gap - truth_at_gap),
+            missing_after_gap=len(truth_at_gap - got_at_gap),
+            injected=proxy.dropped,
+            batches=engine.published,
+            truth_entries=len(truth),
+            index_entries=len(got),
+            stale=len(got - truth),
+            missing=len(truth - got),
+            exact=got == truth,
+            gaps=m("kvroute_ingest_gaps_total"),
+            missed_batches=m("kvroute_ingest_missed_batches_total"),
+            replayed_batches=m("kvroute_ingest_replayed_batches_total"),
+            resyncs=m("kvroute_ingest_resyncs_total"),
+        )
     finally:
         await mgr.close()
         pub.shutdown()
         await proxy.close()
         engine.kv.close()
-    return res

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any
 
 from stack.chaos.client import (
     StreamOutcome,
@@ -18,6 +17,7 @@ from stack.chaos.client import (
     send_completion,
     wait_for,
 )
+from stack.chaos.results import RedisOutageResult
 from stack.procs import LOOPBACK, Fleet, start_engines
 
 
@@ -28,7 +28,7 @@ async def redis_outage(
     concurrency: int = 4,
     max_tokens: int = 4,
     engine_args: tuple[str, ...] = ("--profile", "swa-hybrid", "--time-scale", "20"),
-) -> dict[str, Any]:
+) -> RedisOutageResult:
     """Two engines, a router on a Redis index, a steady load; Redis is SIGKILLed, stays
     down ``downtime_s`` (shorter than ingest's retry budget, so the feed never gives up on
     its own), and comes back empty. A prompt cached before the outage is never sent again:
@@ -39,7 +39,6 @@ async def redis_outage(
     engines = start_engines(fleet, 2, *engine_args, "--gpu-blocks", "32768")
     router = fleet.router(engines, "--index", f"redis://{LOOPBACK}:{redis.port}/0")
     probe = f"history that only a replay can restore {uuid.uuid4().hex} " * 6
-    res: dict[str, Any] = {"fault": "Redis killed, restarted empty", "injected": 1}
     stop = asyncio.Event()
     outcomes: list[StreamOutcome] = []
     async with new_client(concurrency + 10) as client:
@@ -89,17 +88,17 @@ async def redis_outage(
             stop.set()
             await asyncio.gather(*workers, return_exceptions=True)
         metrics = await metrics_text(client, router.url)
-    res["requests"] = len(outcomes)
-    res["requests_during_outage"] = during
-    res["lost"] = [o.describe() for o in outcomes if not o.ok]
-    res["lost_count"] = len(res["lost"])
-    res["fallback_seen"] = fallback_seen
-    res["index_back_s"] = index_back_s
-    res["recovery_s"] = recovery_s
-    res["probe_holder"] = holder
-    res["probe_view"] = {c["instance"]: c["index_score"] for c in view["candidates"]}
-    res["index_errors"] = scrape(metrics, "kvroute_router_index_errors_total")
-    res["resyncs"] = {
-        e.url: scrape(metrics, "kvroute_ingest_resyncs_total", instance=e.url) for e in engines
-    }
-    return res
+    return RedisOutageResult(
+        requests=len(outcomes),
+        requests_during_outage=during,
+        lost=[o.describe() for o in outcomes if not o.ok],
+        fallback_seen=fallback_seen,
+        index_back_s=index_back_s,
+        recovery_s=recovery_s,
+        probe_holder=holder,
+        probe_view={c["instance"]: c["index_score"] for c in view["candidates"]},
+        index_errors=scrape(metrics, "kvroute_router_index_errors_total"),
+        resyncs={
+            e.url: scrape(metrics, "kvroute_ingest_resyncs_total", instance=e.url) for e in engines
+        },
+    )

@@ -8,6 +8,7 @@ import time
 import uuid
 from typing import Any
 
+from stack.chaos.results import FuzzEventsResult
 from stack.procs import LOOPBACK, free_port
 
 _INSANE_INTS = [-1, -(2**63), 2**31, 10**12, 2**63 - 1, 2**64 - 1]
@@ -199,7 +200,7 @@ def hypothesis_payloads(n: int, seed: int = 0) -> list[bytes]:
 
 async def fuzz_events(
     payloads: list[bytes], *, transport: str = "inproc", chunk: int = 500
-) -> dict[str, Any]:
+) -> FuzzEventsResult:
     """Publish every payload as one frame (contiguous seqs) into a real subscriber feeding
     ``IngestManager`` + ``MemoryIndex``, plus frames of the wrong shape; everything must
     be counted (a decoded batch or an undecodable one) and nothing may crash the feed.
@@ -238,7 +239,6 @@ async def fuzz_events(
     def m(metric: str, **labels: str) -> float:
         return reg.get_sample_value(metric, {"instance": name, **labels}) or 0.0
 
-    res: dict[str, Any] = {"fault": f"msgpack fuzz ({transport})"}
     t0 = time.monotonic()
     try:
         await mgr.add_instance(name, endpoint)
@@ -272,23 +272,26 @@ async def fuzz_events(
         markers += 1
         await mgr.wait_for_seq(name, last, timeout=30)
         batches = m("kvroute_ingest_batches_total", source="live") - base_batches
-        bad = m("kvroute_ingest_undecodable_total") - base_bad
-        res["injected"] = len(payloads) + len(shapes)
-        res["decoded"] = int(batches) - markers
-        res["undecodable"] = int(bad)
-        res["uncounted"] = res["injected"] - res["decoded"] - res["undecodable"]
-        res["invalid_events"] = sum(
+        undecodable = int(m("kvroute_ingest_undecodable_total") - base_bad)
+        injected = len(payloads) + len(shapes)
+        decoded = int(batches) - markers
+        invalid = sum(
             m("kvroute_ingest_events_total", type=t, status="invalid")
             for t in ("BlockStored", "BlockRemoved")
         )
-        res["feed_errors"] = m("kvroute_ingest_errors_total")
-        res["markers"] = markers
-        res["markers_stale"] = ignored
-        res["lost_count"] = abs(res["uncounted"]) + int(res["feed_errors"])
+        feed_errors = m("kvroute_ingest_errors_total")
     finally:
         await mgr.close()
         pub.close(0)
-    res["wall_s"] = time.monotonic() - t0
-    res["requests"] = None
-    res["recovery_s"] = None
-    return res
+    return FuzzEventsResult(
+        transport=transport,
+        injected=injected,
+        decoded=decoded,
+        undecodable=undecodable,
+        uncounted=injected - decoded - undecodable,
+        invalid_events=invalid,
+        feed_errors=feed_errors,
+        markers=markers,
+        markers_stale=ignored,
+        wall_s=time.monotonic() - t0,
+    )

@@ -13,6 +13,7 @@ from typing import Any
 
 from stack.chaos.client import new_client
 from stack.chaos.fuzz_events import mutate
+from stack.chaos.results import ChunkedAnswer, FuzzHttpResult, OversizeAnswer, OversizeResult
 from stack.procs import LOOPBACK
 
 _PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -150,7 +151,7 @@ def judge_http(status: int, content_type: str, raw: bytes) -> str | None:
 
 async def fuzz_http(
     target: str, cases: list[tuple[str, list[tuple[bytes, bytes]], bytes]], *, concurrency: int = 8
-) -> dict[str, Any]:
+) -> FuzzHttpResult:
     """Send every case to ``target``; each must be judged fine within 30 s, and the target
     must answer ``/health`` afterwards."""
     problems: list[str] = []
@@ -175,14 +176,13 @@ async def fuzz_http(
         await asyncio.gather(*(one(i, *case) for i, case in enumerate(cases)))
         wall = time.monotonic() - t0
         health = (await client.get(f"{target}/health")).status_code
-    return {
-        "injected": len(cases),
-        "problems": problems,
-        "statuses": dict(sorted(statuses.items())),
-        "healthy_after": health == 200,
-        "wall_s": wall,
-        "lost_count": len(problems) + (health != 200),
-    }
+    return FuzzHttpResult(
+        injected=len(cases),
+        problems=problems,
+        statuses=dict(sorted(statuses.items())),
+        healthy_after=health == 200,
+        wall_s=wall,
+    )
 
 
 def _raw_exchange(
@@ -227,11 +227,10 @@ def _complete(answer: bytes) -> bool:
     return False
 
 
-def oversize_checks(port: int, path: str, limit: int) -> dict[str, Any]:
+def oversize_checks(port: int, path: str, limit: int) -> OversizeResult:
     """A body over ``limit`` must be refused with 413 before it is read whole: (1) a
     Content-Length announcing 10 GB (only 1 KiB follows), (2) a chunked body that would
     never end (the answer must come after about ``limit`` bytes)."""
-    out: dict[str, Any] = {}
     head = (
         f"POST {path} HTTP/1.1\r\nHost: {LOOPBACK}:{port}\r\ncontent-type: application/json\r\n"
     ).encode()
@@ -239,11 +238,7 @@ def oversize_checks(port: int, path: str, limit: int) -> dict[str, Any]:
     answer, _ = _raw_exchange(
         port, head + b"content-length: 10000000000\r\n\r\n", iter([b"{" + b" " * 1023]), 15
     )
-    out["announced"] = {
-        "status": _status(answer),
-        "body": _body(answer),
-        "s": time.monotonic() - t0,
-    }
+    announced = OversizeAnswer(_status(answer), _body(answer), time.monotonic() - t0)
 
     piece = b" " * 65536
     pieces = (limit + (64 << 20)) // len(piece)
@@ -255,14 +250,14 @@ def oversize_checks(port: int, path: str, limit: int) -> dict[str, Any]:
 
     t0 = time.monotonic()
     answer, sent = _raw_exchange(port, head + b"transfer-encoding: chunked\r\n\r\n", endless(), 60)
-    out["chunked"] = {
-        "status": _status(answer),
-        "body": _body(answer),
-        "sent_bytes": sent,
-        "offered_bytes": pieces * (len(piece) + 8),
-        "s": time.monotonic() - t0,
-    }
-    return out
+    chunked = ChunkedAnswer(
+        status=_status(answer),
+        body=_body(answer),
+        s=time.monotonic() - t0,
+        sent_bytes=sent,
+        offered_bytes=pieces * (len(piece) + 8),
+    )
+    return OversizeResult(announced, chunked)
 
 
 def _status(answer: bytes) -> int | None:

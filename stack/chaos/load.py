@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 from stack.chaos.client import metrics_text, new_client, scrape, send_completion
+from stack.chaos.results import StreamLoadResult
 from stack.procs import Fleet, rss_mb, start_engines
 
 
@@ -19,13 +19,12 @@ async def stream_load(
     max_tokens: int = 8,
     engine_args: tuple[str, ...] = ("--profile", "full", "--time-scale", "50"),
     router_env: dict[str, str] | None = None,
-) -> dict[str, Any]:
+) -> StreamLoadResult:
     """``streams`` concurrent streaming completions through one router over ``engines``
     engines, ``rounds`` times; each stream's text must be what its engine's deterministic
     filler gives for its prompt, with one response id and one engine throughout."""
     procs = start_engines(fleet, engines, *engine_args, "--max-num-seqs", "512")
     router = fleet.router(procs, env=router_env)
-    res: dict[str, Any] = {"fault": f"{streams} concurrent streams", "injected": 0}
     async with new_client(streams + 10, timeout=120) as client:
         warm = [
             send_completion(client, router.url, i, f"warm-up {i} " * (1 + i % 7), max_tokens)
@@ -72,20 +71,22 @@ async def stream_load(
             await asyncio.sleep(2.0)  # settle: connections close, buffers go
             after.append(rss_mb(router.pid))
         metrics = await metrics_text(client, router.url)
-    res["requests"] = total
-    res["lost"] = lost
-    res["lost_count"] = len(lost)
-    res["warm_lost"] = warm_lost
-    res["distinct_ids"] = len(ids)
-    res["wall_s"] = wall
-    res["rss_baseline_mb"] = baseline
-    res["rss_peak_mb"] = max(peaks)
-    res["rss_after_mb"] = after
-    res["running_after"] = {
-        p.url: scrape(metrics, "kvroute_router_running_requests", instance=p.url) for p in procs
-    }
-    res["inflight_after"] = {
-        p.url: scrape(metrics, "kvroute_router_inflight_requests", instance=p.url) for p in procs
-    }
-    res["recovery_s"] = None
-    return res
+    return StreamLoadResult(
+        streams=streams,
+        rounds=rounds,
+        requests=total,
+        lost=lost,
+        warm_lost=warm_lost,
+        distinct_ids=len(ids),
+        wall_s=wall,
+        rss_baseline_mb=baseline,
+        rss_peak_mb=max(peaks),
+        rss_after_mb=after,
+        running_after={
+            p.url: scrape(metrics, "kvroute_router_running_requests", instance=p.url) for p in procs
+        },
+        inflight_after={
+            p.url: scrape(metrics, "kvroute_router_inflight_requests", instance=p.url)
+            for p in procs
+        },
+    )

@@ -7,6 +7,7 @@ import contextlib
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from stack.chaos.faults_index import redis_outage
 from stack.chaos.fuzz_events import fuzz_events, hypothesis_payloads, random_payloads
 from stack.chaos.fuzz_http import fuzz_http, http_cases, oversize_checks
 from stack.chaos.load import stream_load
+from stack.chaos.results import ChaosResult, HttpFuzzRun, MsgpackFuzzRun
 from stack.procs import Fleet, start_engines
 from stack.report import write_report
 
@@ -54,66 +56,30 @@ async def _run_all(
     http_cases_per_target: int,
     seed: int,
     only: set[str] | None,
-) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
+) -> list[ChaosResult]:
+    results: list[ChaosResult] = []
 
     def want(name: str) -> bool:
         return only is None or name in only
 
     if want("kill"):
         with Fleet(workdir / "kill") as fleet:
-            r = await engine_kill(fleet, requests=kill_requests)
-        r["notes"] = (
-            f"{len(r['broken_streams'])} started streams ended with an error chunk, "
-            f"{r['sent_after_kill']} requests sent after the kill; down detected in "
-            f"{r['detect_down_s']:.2f}s; recovery = restart -> index rebuilt (engine start "
-            f"{r['restart_s']:.1f}s)"
-        )
-        rows.append(r)
+            results.append(await engine_kill(fleet, requests=kill_requests))
     if want("events"):
         for buffer_steps in (10_000, 8):
             with _quiet("events.subscriber", "router.ingest", "router.layout"):
-                r = await dropped_events(drop=20, buffer_steps=buffer_steps, seed=seed)
-            r["requests"] = r["batches"]
-            r["notes"] = (
-                f"requests = batches published; lost = stale index entries; right after the "
-                f"gap {r['missing_after_gap']} entries missing (history), at the end "
-                f"{r['missing']}/{r['truth_entries']}; gaps {r['gaps']:.0f}, resyncs "
-                f"{r['resyncs']:.0f}"
-            )
-            rows.append(r)
+                results.append(await dropped_events(drop=20, buffer_steps=buffer_steps, seed=seed))
     if want("redis"):
         with Fleet(workdir / "redis") as fleet:
-            r = await redis_outage(fleet)
-        r["notes"] = (
-            f"fallback to load-only seen: {r['fallback_seen']}; lookups back after "
-            f"{r['index_back_s']:.2f}s; recovery = restart -> history rebuilt"
-        )
-        rows.append(r)
+            results.append(await redis_outage(fleet))
     if want("fuzz"):
         hyp = hypothesis_payloads(hypothesis_examples, seed) if hypothesis_examples else []
         payloads = hyp + random_payloads(fuzz_payloads - len(hyp), seed)
         tcp_n = min(1000, len(payloads) // 10)
         with _quiet("events.subscriber", "router.ingest", "router.layout"):
-            a = await fuzz_events(payloads[tcp_n:], transport="inproc")
-            b = await fuzz_events(payloads[:tcp_n], transport="tcp")
-        rows.append(
-            {
-                "fault": "msgpack fuzz -> subscriber + ingest",
-                "injected": a["injected"] + b["injected"],
-                "requests": None,
-                "lost_count": a["lost_count"] + b["lost_count"],
-                "recovery_s": None,
-                "notes": (
-                    f"{len(hyp)} from hypothesis; {a['decoded'] + b['decoded']} decoded, "
-                    f"{a['undecodable'] + b['undecodable']} counted undecodable, "
-                    f"{a['invalid_events'] + b['invalid_events']:.0f} invalid events dropped; "
-                    f"lost = uncounted + feed errors"
-                ),
-                "inproc": a,
-                "tcp": b,
-            }
-        )
+            inproc = await fuzz_events(payloads[tcp_n:], transport="inproc")
+            tcp = await fuzz_events(payloads[:tcp_n], transport="tcp")
+        results.append(MsgpackFuzzRun(len(hyp), inproc, tcp))
     if want("http"):
         with Fleet(workdir / "http") as fleet:
             (eng,) = start_engines(
@@ -122,35 +88,14 @@ async def _run_all(
             router = fleet.router([eng], env={"KVROUTE_MAX_BODY_BYTES": str(1 << 20)})
             for name, proc in (("router", router), ("engine", eng)):
                 cases = http_cases(http_cases_per_target, seed + (name == "engine"))
-                r = await fuzz_http(proc.url, cases)
+                fuzzed = await fuzz_http(proc.url, cases)
                 limit = 1 << 20 if name == "router" else 16 << 20
                 over = await asyncio.to_thread(oversize_checks, proc.port, "/v1/completions", limit)
-                refused = [over[k]["status"] == 413 for k in ("announced", "chunked")]
-                r.update(
-                    fault=f"HTTP fuzz -> {name}",
-                    requests=len(cases),
-                    recovery_s=None,
-                    oversize=over,
-                    notes=(
-                        f"statuses {r['statuses']}; oversize bodies refused with 413: "
-                        f"{sum(refused)}/2 (chunked: after {over['chunked']['sent_bytes'] >> 20}"
-                        f" MiB of a {limit >> 20} MiB limit)"
-                    ),
-                )
-                r["lost_count"] += refused.count(False)
-                rows.append(r)
+                results.append(HttpFuzzRun(name, limit, fuzzed, over))
     if want("load"):
         with Fleet(workdir / "load") as fleet:
-            r = await stream_load(fleet, streams=streams, rounds=2)
-        after = " / ".join(f"{v:.0f}" for v in r["rss_after_mb"])
-        r["fault"] = f"{streams} concurrent streams, twice"
-        r["notes"] = (
-            f"{r['distinct_ids']} distinct response ids; router RSS {r['rss_baseline_mb']:.0f}"
-            f" MB warm -> peak {r['rss_peak_mb']:.0f} -> {after} MB after each round; wall "
-            + " / ".join(f"{w:.1f}s" for w in r["wall_s"])
-        )
-        rows.append(r)
-    return rows
+            results.append(await stream_load(fleet, streams=streams, rounds=2))
+    return results
 
 
 def run(
@@ -175,7 +120,7 @@ def run(
         base = Path(workdir or tmp)
         for sub in ("kill", "redis", "http", "load"):
             (base / sub).mkdir(parents=True, exist_ok=True)
-        rows = asyncio.run(
+        results = asyncio.run(
             _run_all(
                 base,
                 streams=streams,
@@ -187,33 +132,26 @@ def run(
                 only=only,
             )
         )
+    rows = [r.row() for r in results]
     report = {
-        "figures": [
-            {
-                "fault": r["fault"],
-                "injected": r.get("injected"),
-                "requests": r.get("requests"),
-                "lost": r.get("lost_count"),
-                "recovery_s": r.get("recovery_s"),
-                "notes": r.get("notes", ""),
-            }
-            for r in rows
+        "figures": [asdict(row) for row in rows],
+        "details": [
+            {"fault": row.fault, **asdict(r)} for row, r in zip(rows, results, strict=True)
         ],
-        "details": rows,
         "wall_s": time.monotonic() - t0,
     }
     path = write_report(out, "chaos", report)
     table = Table(title="kvroute bench chaos: faults injected and what they cost")
     for col in ("fault", "injected", "requests", "lost", "recovery s", "notes"):
         table.add_column(col, justify="left" if col in ("fault", "notes") else "right")
-    for f in report["figures"]:
+    for row in rows:
         table.add_row(
-            f["fault"],
-            _fmt(f["injected"]),
-            _fmt(f["requests"]),
-            _fmt(f["lost"]),
-            _fmt(f["recovery_s"]),
-            f["notes"],
+            row.fault,
+            _fmt(row.injected),
+            _fmt(row.requests),
+            _fmt(row.lost),
+            _fmt(row.recovery_s),
+            row.notes,
         )
     console = Console(width=200)
     console.print(table)

@@ -33,14 +33,14 @@ async def test_ten_thousand_garbage_payloads_are_all_counted_and_never_stop_the_
         await fuzz_events(payloads[OVER_TCP:], transport="inproc"),
     ]
     for r in results:
-        assert r["uncounted"] == 0, r
-        assert r["feed_errors"] == 0, r
-    assert sum(r["injected"] for r in results) == TOTAL + 2 * 4  # + wrong-shaped frames
+        assert r.uncounted == 0, r
+        assert r.feed_errors == 0, r
+    assert sum(r.injected for r in results) == TOTAL + 2 * 4  # + wrong-shaped frames
     # The mix really exercised every path: decoded batches, undecodable payloads and
     # well-formed batches with impossible values (dropped by ingest, counted).
-    assert sum(r["decoded"] for r in results) > 500
-    assert sum(r["undecodable"] for r in results) > 5_000
-    assert sum(r["invalid_events"] for r in results) > 10
+    assert sum(r.decoded for r in results) > 500
+    assert sum(r.undecodable for r in results) > 5_000
+    assert sum(r.invalid_events for r in results) > 10
 
 
 @pytest.mark.parametrize(
@@ -53,7 +53,7 @@ async def test_ten_thousand_garbage_payloads_are_all_counted_and_never_stop_the_
 )
 async def test_unhashable_event_tags_are_counted_as_undecodable(raw):
     r = await fuzz_events([msgspec.msgpack.encode(raw)] * 3, transport="inproc")
-    assert r["undecodable"] == 3 + 4 and r["uncounted"] == 0 and r["feed_errors"] == 0
+    assert r.undecodable == 3 + 4 and r.uncounted == 0 and r.feed_errors == 0
 
 
 def test_decode_batch_turns_an_unhashable_event_tag_into_a_decode_error():

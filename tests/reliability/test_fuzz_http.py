@@ -17,16 +17,16 @@ CASES = 300
 
 async def test_router_answers_garbage_bodies_and_headers_with_json_errors_only(edge):
     r = await fuzz_http(edge.router.url, http_cases(CASES, seed=11))
-    assert r["problems"] == [], "\n".join(r["problems"][:20])
-    assert r["healthy_after"]
-    assert r["statuses"].get(400, 0) > CASES // 3 and r["statuses"].get(200, 0) > 0, r
+    assert r.problems == [], "\n".join(r.problems[:20])
+    assert r.healthy_after
+    assert r.statuses.get(400, 0) > CASES // 3 and r.statuses.get(200, 0) > 0, r
 
 
 async def test_engine_answers_garbage_bodies_and_headers_with_json_errors_only(edge):
     r = await fuzz_http(edge.engine.url, http_cases(CASES, seed=12))
-    assert r["problems"] == [], "\n".join(r["problems"][:20])
-    assert r["healthy_after"]
-    assert r["statuses"].get(400, 0) > CASES // 3 and r["statuses"].get(200, 0) > 0, r
+    assert r.problems == [], "\n".join(r.problems[:20])
+    assert r.healthy_after
+    assert r.statuses.get(400, 0) > CASES // 3 and r.statuses.get(200, 0) > 0, r
 
 
 _json = st.recursive(
@@ -59,13 +59,13 @@ def test_any_json_body_gets_a_well_formed_answer_from_the_router(edge, body, cha
 def test_oversized_bodies_are_refused_before_being_read_whole(edge):
     for proc, limit in ((edge.router, edge.router_body_limit), (edge.engine, 16 << 20)):
         out = oversize_checks(proc.port, "/v1/completions", limit)
-        announced, chunked = out["announced"], out["chunked"]
+        announced, chunked = out.announced, out.chunked
         # 10 GB announced, 1 KiB sent: refused at once, from the header.
-        assert announced["status"] == 413, (proc.name, out)
-        assert announced["body"]["error"]["code"] == 413
-        assert announced["s"] < 5
+        assert announced.status == 413, (proc.name, out)
+        assert announced.body["error"]["code"] == 413
+        assert announced.s < 5
         # An endless chunked body: refused once the limit is passed, not read to the end.
-        assert chunked["status"] == 413, (proc.name, out)
-        assert chunked["body"]["error"]["code"] == 413
-        assert limit < chunked["sent_bytes"] < chunked["offered_bytes"], (proc.name, out)
+        assert chunked.status == 413, (proc.name, out)
+        assert chunked.body["error"]["code"] == 413
+        assert limit < chunked.sent_bytes < chunked.offered_bytes, (proc.name, out)
         assert httpx.get(f"{proc.url}/health").status_code == 200

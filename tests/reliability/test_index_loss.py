@@ -170,13 +170,13 @@ async def test_resync_of_a_dead_source_clears_it_and_the_next_incarnation_starts
 
 async def test_redis_killed_under_load_loses_no_request_and_history_is_rebuilt(fleet: Fleet):
     r = await redis_outage(fleet, downtime_s=3.0, concurrency=4)
-    assert r["requests_during_outage"] > 0
-    assert r["lost"] == [], "\n".join(r["lost"])
-    assert r["fallback_seen"], "lookups never failed: Redis was not really down"
-    assert r["index_errors"] > 0
+    assert r.requests_during_outage > 0
+    assert r.lost == [], "\n".join(r.lost)
+    assert r.fallback_seen, "lookups never failed: Redis was not really down"
+    assert r.index_errors > 0
     # Cache-aware again, with the pre-outage prompt back on the instance that served it
     # (it was never sent again: only a replay from seq 0 can have restored it).
-    holder = r["probe_holder"]
-    assert sum(r["probe_view"][holder]) > 0
-    assert all(sum(v) == 0 for inst, v in r["probe_view"].items() if inst != holder)
-    assert all(n >= 1 for n in r["resyncs"].values())
+    holder = r.probe_holder
+    assert sum(r.probe_view[holder]) > 0
+    assert all(sum(v) == 0 for inst, v in r.probe_view.items() if inst != holder)
+    assert all(n >= 1 for n in r.resyncs.values())
