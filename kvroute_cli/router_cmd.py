@@ -28,6 +28,21 @@ def router(
     dashboard: bool = typer.Option(
         None, "--dashboard/--no-dashboard", help="Serve GET /dashboard [default on]."
     ),
+    admission_max_waiting: int = typer.Option(
+        None, help="Admission: an instance is busy at this many engine-waiting requests."
+    ),
+    admission_max_kv_usage: float = typer.Option(
+        None, help="Admission: busy at this engine KV usage (0-1]."
+    ),
+    admission_max_inflight: int = typer.Option(
+        None, help="Admission: busy at this many router requests in flight to it."
+    ),
+    admission_queue_size: int = typer.Option(
+        None, help="Admission: requests that may wait when all are busy [1024]."
+    ),
+    admission_timeout: float = typer.Option(
+        None, help="Admission: seconds a request may wait before 429 [30]."
+    ),
     config: Path = typer.Option(None, help="YAML file with the same settings.", exists=True),
     log_level: str = typer.Option(None, help="uvicorn log level."),
 ) -> None:
@@ -53,6 +68,11 @@ def router(
         "temperature": temperature,
         "health_interval_s": health_interval,
         "dashboard": dashboard,
+        "admission_max_waiting": admission_max_waiting,
+        "admission_max_kv_usage": admission_max_kv_usage,
+        "admission_max_inflight": admission_max_inflight,
+        "admission_queue_size": admission_queue_size,
+        "admission_timeout_s": admission_timeout,
         "log_level": log_level,
     }
     try:

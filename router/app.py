@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from router.admission import Rejected, rejected_response
 from router.config import parse_instance
 from router.dashboard import mount_dashboard
 from router.decide import RouteDecision
@@ -83,9 +84,17 @@ def create_app(state: RouterState) -> FastAPI:
             kind = "chat" if "messages" in data else "completion"
         if (err := _validate(kind, data)) is not None:
             return err
+        ticket = None
+        if forward:
+            ticket = await state.admission.admit(state.registry.healthy())
+            if isinstance(ticket, Rejected):
+                return rejected_response(ticket)
         decision = await state.router.decide(data, kind, record=forward)
         if decision is None:
+            if ticket is not None:
+                ticket.release()
             return error_response("no healthy instance", 503, "ServiceUnavailableError")
+        decision.ticket = ticket
         if forward and dashboard is not None:
             dashboard.record(decision, kind)
         return raw, data, decision
@@ -96,9 +105,13 @@ def create_app(state: RouterState) -> FastAPI:
             return routed
         raw, data, decision = routed
         streaming = bool(data.get("stream"))
-        return await state.forwarder.forward(
-            path, raw, request_headers(request.headers), decision, streaming
-        )
+        try:
+            return await state.forwarder.forward(
+                path, raw, request_headers(request.headers), decision, streaming
+            )
+        finally:
+            if decision.ticket is not None:  # no forward started (all failed): free it
+                decision.ticket.release()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -114,7 +127,9 @@ def create_app(state: RouterState) -> FastAPI:
         routed = await _decide(request, None, forward=False)
         if isinstance(routed, Response):
             return routed
-        return JSONResponse(await state.router.explain(routed[2]))
+        out = await state.router.explain(routed[2])
+        out["admission"] = state.admission.describe(state.registry.healthy())
+        return JSONResponse(out)
 
     @app.get("/v1/models")
     async def models() -> Response:

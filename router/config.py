@@ -146,6 +146,13 @@ class RouterSettings(BaseSettings):
     admin_token: str | None = None  # KVROUTE_ADMIN_TOKEN; unset disables the admin API
     dashboard: bool = True  # GET /dashboard (read-only live view); KVROUTE_DASHBOARD=false: 404
     redis_block_ttl_s: int | None = None
+    # Admission control (router.admission); no threshold set: off.
+    admission_max_waiting: int | None = Field(None, ge=0)
+    admission_max_kv_usage: float | None = Field(None, gt=0, le=1)
+    admission_max_inflight: int | None = Field(None, ge=1)
+    admission_queue_size: int = Field(1024, ge=0)
+    admission_timeout_s: float = Field(30.0, ge=0)
+    admission_retry_after_s: float | None = Field(None, ge=0)
     log_level: str = "info"
 
     @field_validator("policy")

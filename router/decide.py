@@ -42,6 +42,8 @@ class RouteDecision:
     elapsed_s: float
     # instance -> hashes its speculative entries were recorded under (released at the end)
     speculative_held: dict[str, list[int]] = field(default_factory=dict)
+    # router.admission.Ticket: the slot admission gave it, released once a forward starts
+    ticket: Any = None
 
     def block_hashes(self, instance: str) -> list[int]:
         return self.hashes.get(self.hash_size.get(instance, 0), [])

@@ -85,6 +85,8 @@ class InstanceRegistry:
         self.on_change = on_change
         self.on_block_size = on_block_size
         self._instances: dict[str, Instance] = {}
+        # Called after each probe round (admission re-checks its thresholds).
+        self.on_probed: Callable[[], None] | None = None
         self._task: asyncio.Task[None] | None = None
 
     # ---- membership -------------------------------------------------------------------
@@ -129,6 +131,8 @@ class InstanceRegistry:
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(i) for i in self.all()))
+        if self.on_probed is not None:
+            self.on_probed()
 
     async def probe(self, inst: Instance) -> bool:
         ok = False

@@ -9,8 +9,9 @@ from typing import Any
 
 import httpx
 
+from router.admission import AdmissionConfig, AdmissionController
 from router.config import InstanceSpec, RouterSettings, parse_instance
-from router.decide import Router
+from router.decide import RouteDecision, Router
 from router.index import open_index
 from router.ingest import IngestManager
 from router.instances import Instance, InstanceRegistry
@@ -92,16 +93,37 @@ class RouterState:
             hash_algo=s.hash_algo,
             seed=s.seed,
         )
+        self.admission = AdmissionController(
+            AdmissionConfig(
+                max_waiting=s.admission_max_waiting,
+                max_kv_usage=s.admission_max_kv_usage,
+                max_inflight=s.admission_max_inflight,
+                queue_size=s.admission_queue_size,
+                queue_timeout_s=s.admission_timeout_s,
+                retry_after_s=s.admission_retry_after_s,
+            ),
+            self.metrics.registry,
+        )
+        self.registry.on_probed = self.admission.notify
         self.forwarder = Forwarder(
             self.client,
             self.registry,
             self.policy,
             self.metrics,
             max_retries=s.max_retries,
-            on_routed=self.router.routed,
-            on_done=self.router.settled,
+            on_routed=self._routed,
+            on_done=self._done,
         )
         self._layout_task: asyncio.Task[None] | None = None
+
+    def _routed(self, decision: RouteDecision, url: str) -> None:
+        self.router.routed(decision, url)
+        if decision.ticket is not None:  # now counted in the instance's in-flight
+            decision.ticket.release()
+
+    def _done(self, decision: RouteDecision, url: str) -> None:
+        self.router.settled(decision, url)
+        self.admission.notify()  # a slot may have freed
 
     async def _health_changed(self, inst: Instance, up: bool) -> None:
         """A down instance's cache is unknown -- it may come back restarted, empty: drop
