@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
@@ -16,6 +15,7 @@ from router.admission import Rejected, rejected_response
 from router.config import parse_instance
 from router.dashboard import mount_dashboard
 from router.decide import RouteDecision
+from router.models import unknown_model_message
 from router.proxy import error_response, request_headers
 from router.state import RouterState
 
@@ -84,12 +84,17 @@ def create_app(state: RouterState) -> FastAPI:
             kind = "chat" if "messages" in data else "completion"
         if (err := _validate(kind, data)) is not None:
             return err
+        model = data.get("model")
+        pool = state.models.pool(model, state.registry.healthy(), state.registry.all())
+        if pool is None:
+            return error_response(unknown_model_message(model), 404, "NotFoundError")
         ticket = None
         if forward:
-            ticket = await state.admission.admit(state.registry.healthy())
+            ticket = await state.admission.admit(pool)
             if isinstance(ticket, Rejected):
                 return rejected_response(ticket)
-        decision = await state.router.decide(data, kind, record=forward)
+        lora = state.models.adapter(model, pool)
+        decision = await state.router.decide(data, kind, record=forward, instances=pool, lora=lora)
         if decision is None:
             if ticket is not None:
                 ticket.release()
@@ -128,25 +133,23 @@ def create_app(state: RouterState) -> FastAPI:
         if isinstance(routed, Response):
             return routed
         out = await state.router.explain(routed[2])
-        out["admission"] = state.admission.describe(state.registry.healthy())
+        pool = [state.registry.get(u) for u in routed[2].candidates]
+        pool = [i for i in pool if i is not None]
+        model = routed[1].get("model")
+        lora = state.models.adapter(model, pool)
+        out["model"] = {
+            "requested": model,
+            "pool": [i.url for i in pool],
+            "lora": lora[0] if lora else None,
+        }
+        out["admission"] = state.admission.describe(pool)
         return JSONResponse(out)
 
     @app.get("/v1/models")
     async def models() -> Response:
-        async def fetch(url: str) -> list[dict[str, Any]]:
-            try:
-                r = await state.client.get(f"{url}/v1/models", timeout=s.health_timeout_s)
-                return r.json().get("data", []) if r.status_code == 200 else []
-            except Exception:
-                return []
-
-        lists = await asyncio.gather(*(fetch(i.url) for i in state.registry.healthy()))
-        seen: dict[str, dict[str, Any]] = {}
-        for entries in lists:
-            for m in entries:
-                if isinstance(m, dict) and "id" in m:
-                    seen.setdefault(m["id"], m)
-        return JSONResponse({"object": "list", "data": list(seen.values())})
+        """Every model and adapter the healthy instances serve, as of their last probe."""
+        cards = state.models.cards(state.registry.healthy())
+        return JSONResponse({"object": "list", "data": cards})
 
     @app.get("/health")
     async def health() -> Response:

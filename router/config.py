@@ -28,7 +28,7 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class InstanceSpec:
-    """``URL[=EVENTS_ENDPOINT[,replay=ENDPOINT][,topic=T]]`` or ``URL=<vLLM's
+    """``URL[=EVENTS_ENDPOINT[,replay=ENDPOINT][,topic=T][,model=NAME]...]`` or ``URL=<vLLM's
     --kv-events-config JSON>``, as the router's subscriber sees it.
 
     ``bind``: whether the router's SUB socket binds ``events`` (the engine connects to
@@ -40,6 +40,7 @@ class InstanceSpec:
     replay: str | None = None
     topic: str = ""
     bind: bool | None = None
+    models: tuple[str, ...] = ()  # declared served models: override its /v1/models
 
 
 def _check_endpoint(ep: str | None) -> None:
@@ -97,6 +98,7 @@ def parse_instance(text: str) -> InstanceSpec:
         return from_kv_events_config(url, rest)
     events = replay = None
     topic = ""
+    models: list[str] = []
     if rest:
         parts = rest.split(",")
         events = parts[0] or None
@@ -106,11 +108,13 @@ def parse_instance(text: str) -> InstanceSpec:
                 replay = value or None
             elif key == "topic":
                 topic = value
+            elif key == "model" and value:
+                models.append(value)
             else:
                 raise ValueError(f"unknown instance option {key!r} in {text!r}")
         for ep in (events, replay):
             _check_endpoint(ep)
-    return InstanceSpec(url, events, replay, topic)
+    return InstanceSpec(url, events, replay, topic, models=tuple(models))
 
 
 class RouterSettings(BaseSettings):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,13 +89,21 @@ class Router:
         return layout.hash_block_size if layout is not None else self.block_size
 
     async def decide(
-        self, body: dict[str, Any], kind: str, *, record: bool = True
+        self,
+        body: dict[str, Any],
+        kind: str,
+        *,
+        record: bool = True,
+        instances: Sequence[Instance] | None = None,
+        lora: tuple[str, str | None] | None = None,
     ) -> RouteDecision | None:
         """None when no instance is healthy. ``record``: predict-on-route for the chosen
         instance now, with no await between choosing and recording, so a burst's next
-        request already sees it (``/debug/route`` passes False)."""
+        request already sees it (``/debug/route`` passes False). ``instances``: the
+        request's pool (``router.models``; default every healthy one); ``lora``: the
+        adapter it names, ``(name, path)``, an extra key of every block as in vLLM."""
         t0 = time.perf_counter()
-        healthy = self.registry.healthy()
+        healthy = list(instances) if instances is not None else self.registry.healthy()
         if not healthy:
             return None
         ids = await self.tokenizer.prompt_ids(body, kind)
@@ -117,7 +126,7 @@ class Router:
             for size, group in by_size.items():
                 # The engine keys block 0 with the request's cache_salt: a salted request
                 # is credited only with blocks stored under the same salt.
-                keys = block_extra_keys(len(ids) // size, cache_salt=salt)
+                keys = block_extra_keys(len(ids) // size, lora=lora, cache_salt=salt)
                 hashes[size] = hs = [
                     wire_hash(h)
                     for h in hash_request_blocks(ids, size, self.hash_algo, self.seed, keys)

@@ -87,6 +87,8 @@ class InstanceRegistry:
         self._instances: dict[str, Instance] = {}
         # Called after each probe round (admission re-checks its thresholds).
         self.on_probed: Callable[[], None] | None = None
+        # Called after each good probe of one instance (its served models are re-read).
+        self.on_up: Callable[[Instance], Awaitable[None]] | None = None
         self._task: asyncio.Task[None] | None = None
 
     # ---- membership -------------------------------------------------------------------
@@ -141,6 +143,8 @@ class InstanceRegistry:
             ok = r.status_code == 200
             if ok and self.read_metrics:
                 await self._read_waiting(inst)
+            if ok and self.on_up is not None:
+                await self.on_up(inst)
         except httpx.HTTPError:
             ok = False
         await self.report(inst, ok)

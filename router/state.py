@@ -17,6 +17,7 @@ from router.ingest import IngestManager
 from router.instances import Instance, InstanceRegistry
 from router.layout import InstanceLayout, LayoutRegistry
 from router.metrics import RouterMetrics
+from router.models import ModelRegistry
 from router.policy import CostRates, make_policy
 from router.proxy import Forwarder
 from router.score import Scorer
@@ -105,6 +106,8 @@ class RouterState:
             self.metrics.registry,
         )
         self.registry.on_probed = self.admission.notify
+        self.models = ModelRegistry(self.client, s.health_timeout_s)
+        self.registry.on_up = self.models.refresh
         self.forwarder = Forwarder(
             self.client,
             self.registry,
@@ -162,6 +165,7 @@ class RouterState:
 
     async def add_instance(self, spec: InstanceSpec, *, probe: bool = True) -> Instance:
         inst = self.registry.add(spec)
+        self.models.declare(spec.url, spec.models)
         if spec.events:
             # With a replay endpoint, start from the publisher's buffer (seq 0): a router
             # started after its engines then knows what they already hold.
@@ -187,6 +191,7 @@ class RouterState:
             with contextlib.suppress(Exception):
                 await self.index.clear(inst.url)
         self.speculative.forget(inst.url)
+        self.models.forget(inst.url)
         return True
 
     async def _share_layouts(self) -> None:
@@ -206,5 +211,6 @@ class RouterState:
             "running_requests": inst.running_requests,
             "engine_waiting": inst.engine_waiting,
             "served": inst.served,
+            "models": self.models.describe(inst.url),
             "last_seq": self.ingest.last_seq(inst.url) if inst.spec.events else None,
         }

@@ -58,3 +58,11 @@ def test_legacy_form_still_parses():
         "tcp://127.0.0.1:5558",
         None,
     )
+
+
+def test_declared_models_are_options_with_or_without_an_events_endpoint():
+    spec = parse_instance("http://h:8000=tcp://h:5557,model=llama,model=llama-sql")
+    assert spec.events == "tcp://h:5557" and spec.models == ("llama", "llama-sql")
+    bare = parse_instance("http://h:8000=,model=qwen")
+    assert bare.events is None and bare.models == ("qwen",)
+    assert parse_instance("http://h:8000").models == ()
