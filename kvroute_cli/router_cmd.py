@@ -43,6 +43,17 @@ def router(
     admission_timeout: float = typer.Option(
         None, help="Admission: seconds a request may wait before 429 [30]."
     ),
+    session_header: str = typer.Option(
+        None, help="Session affinity: the header naming a session, e.g. X-Session-ID."
+    ),
+    session_user_field: bool = typer.Option(
+        None,
+        "--session-user-field/--no-session-user-field",
+        help="Session affinity: the OpenAI `user` field names a session [off].",
+    ),
+    session_max_extra_ttft: float = typer.Option(
+        None, help="Session affinity: extra predicted TTFT (s) a session may cost [0.05]."
+    ),
     config: Path = typer.Option(None, help="YAML file with the same settings.", exists=True),
     log_level: str = typer.Option(None, help="uvicorn log level."),
 ) -> None:
@@ -73,6 +84,9 @@ def router(
         "admission_max_inflight": admission_max_inflight,
         "admission_queue_size": admission_queue_size,
         "admission_timeout_s": admission_timeout,
+        "session_header": session_header,
+        "session_user_field": session_user_field,
+        "session_max_extra_ttft_s": session_max_extra_ttft,
         "log_level": log_level,
     }
     try:

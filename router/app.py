@@ -94,7 +94,10 @@ def create_app(state: RouterState) -> FastAPI:
             if isinstance(ticket, Rejected):
                 return rejected_response(ticket)
         lora = state.models.adapter(model, pool)
-        decision = await state.router.decide(data, kind, record=forward, instances=pool, lora=lora)
+        session = state.affinity.session_key(request.headers, data)
+        decision = await state.router.decide(
+            data, kind, record=forward, instances=pool, lora=lora, session=session
+        )
         if decision is None:
             if ticket is not None:
                 ticket.release()

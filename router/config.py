@@ -157,6 +157,12 @@ class RouterSettings(BaseSettings):
     admission_queue_size: int = Field(1024, ge=0)
     admission_timeout_s: float = Field(30.0, ge=0)
     admission_retry_after_s: float | None = Field(None, ge=0)
+    # Session affinity (router.affinity); no header and no user field: off.
+    session_header: str | None = None  # e.g. "X-Session-ID"
+    session_user_field: bool = False  # the OpenAI ``user`` field names the session
+    session_max_extra_ttft_s: float = Field(0.05, ge=0)
+    session_ttl_s: float = Field(3600.0, gt=0)
+    session_max_sessions: int = Field(100_000, ge=1)
     log_level: str = "info"
 
     @field_validator("policy")

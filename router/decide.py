@@ -16,6 +16,7 @@ from typing import Any
 
 from events.hashing import block_extra_keys, hash_request_blocks, wire_hash
 from events.retention import retained_prompt_blocks
+from router.affinity import SessionAffinity
 from router.index.base import NUM_TIERS, BlockIndex
 from router.instances import Instance, InstanceRegistry
 from router.metrics import RouterMetrics
@@ -45,6 +46,7 @@ class RouteDecision:
     speculative_held: dict[str, list[int]] = field(default_factory=dict)
     # router.admission.Ticket: the slot admission gave it, released once a forward starts
     ticket: Any = None
+    affinity: dict[str, Any] | None = None  # router.affinity's account, for /debug/route
 
     def block_hashes(self, instance: str) -> list[int]:
         return self.hashes.get(self.hash_size.get(instance, 0), [])
@@ -72,6 +74,7 @@ class Router:
         block_size: int,
         hash_algo: str,
         seed: str | None,
+        affinity: SessionAffinity | None = None,
     ) -> None:
         self.registry = registry
         self.scorer = scorer
@@ -83,6 +86,7 @@ class Router:
         self.block_size = block_size  # until an instance's events say otherwise
         self.hash_algo = hash_algo
         self.seed = seed
+        self.affinity = affinity
 
     def hash_block_size(self, instance: str) -> int:
         layout = self.scorer.layouts.get(instance)
@@ -96,12 +100,14 @@ class Router:
         record: bool = True,
         instances: Sequence[Instance] | None = None,
         lora: tuple[str, str | None] | None = None,
+        session: str | None = None,
     ) -> RouteDecision | None:
         """None when no instance is healthy. ``record``: predict-on-route for the chosen
         instance now, with no await between choosing and recording, so a burst's next
         request already sees it (``/debug/route`` passes False). ``instances``: the
         request's pool (``router.models``; default every healthy one); ``lora``: the
-        adapter it names, ``(name, path)``, an extra key of every block as in vLLM."""
+        adapter it names, ``(name, path)``, an extra key of every block as in vLLM;
+        ``session``: its session key (``router.affinity``, applied after the ranking)."""
         t0 = time.perf_counter()
         healthy = list(instances) if instances is not None else self.registry.healthy()
         if not healthy:
@@ -145,6 +151,9 @@ class Router:
         # 4. The policy ranks the candidates.
         candidates = {i.url: self._candidate(i, scores.get(i.url)) for i in healthy}
         decision = self.policy.choose(list(candidates.values()), max(n_tokens, 1))
+        affinity = None
+        if self.affinity is not None:
+            decision, affinity = self.affinity.apply(decision, session, record=record)
         elapsed = time.perf_counter() - t0
         self.metrics.decision_seconds.observe(elapsed)
         out = RouteDecision(
@@ -158,6 +167,7 @@ class Router:
             index_ok,
             elapsed,
         )
+        out.affinity = affinity
         if record:
             self.routed(out, decision.instance)
         return out
@@ -256,6 +266,7 @@ class Router:
             "prompt_tokens": decision.prompt_tokens,
             "num_blocks": {str(k): len(v) for k, v in decision.hashes.items()},
             "index_ok": decision.index_ok,
+            "affinity": decision.affinity,
             "decision_ms": decision.elapsed_s * 1e3,
             "candidates": out,
         }

@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 
 from router.admission import AdmissionConfig, AdmissionController
+from router.affinity import AffinityConfig, SessionAffinity
 from router.config import InstanceSpec, RouterSettings, parse_instance
 from router.decide import RouteDecision, Router
 from router.index import open_index
@@ -82,6 +83,16 @@ class RouterState:
         self.scorer = Scorer(self.index, self.layouts, full_only=s.policy == "prefix_full_only")
         self.speculative = SpeculativeResidency(s.speculative_ttl_s)
         self.ingest.on_applied = self.speculative.flush
+        self.affinity = SessionAffinity(
+            AffinityConfig(
+                header=s.session_header,
+                user_field=s.session_user_field,
+                max_extra_ttft_s=s.session_max_extra_ttft_s,
+                max_sessions=s.session_max_sessions,
+                ttl_s=s.session_ttl_s,
+            ),
+            self.metrics.registry,
+        )
         self.router = Router(
             registry=self.registry,
             scorer=self.scorer,
@@ -93,6 +104,7 @@ class RouterState:
             block_size=s.block_size,
             hash_algo=s.hash_algo,
             seed=s.seed,
+            affinity=self.affinity if self.affinity.config.enabled else None,
         )
         self.admission = AdmissionController(
             AdmissionConfig(
