@@ -15,7 +15,7 @@ from router.admission import Rejected, rejected_response
 from router.config import parse_instance
 from router.dashboard import mount_dashboard
 from router.decide import RouteDecision
-from router.models import unknown_model_message
+from router.models import unknown_model_response
 from router.proxy import error_response, request_headers
 from router.state import RouterState
 
@@ -87,7 +87,7 @@ def create_app(state: RouterState) -> FastAPI:
         model = data.get("model")
         pool = state.models.pool(model, state.registry.healthy(), state.registry.all())
         if pool is None:
-            return error_response(unknown_model_message(model), 404, "NotFoundError")
+            return unknown_model_response(model)
         ticket = None
         if forward:
             ticket = await state.admission.admit(pool)

@@ -21,17 +21,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from fastapi.responses import JSONResponse
 
 from router.instances import Instance
 
-__all__ = ["ModelRegistry", "ServedModels", "unknown_model_message"]
+__all__ = ["ModelRegistry", "ServedModels", "unknown_model_response"]
 
 log = logging.getLogger(__name__)
 
 
-def unknown_model_message(model: str) -> str:
-    """vLLM's message for a model no instance serves (``_check_model``; 404 NotFoundError)."""
-    return f"The model `{model}` does not exist."
+def unknown_model_response(model: str) -> JSONResponse:
+    """vLLM's answer for a model it does not serve (``OpenAIModelRegistry.check_model``)."""
+    err = {
+        "message": f"The model `{model}` does not exist.",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }
+    return JSONResponse({"error": err}, status_code=404)
 
 
 @dataclass(frozen=True, slots=True)

@@ -143,6 +143,7 @@ class EngineCore:
         *,
         forced_token: int | None = None,
         cache_salt: str | None = None,
+        lora: tuple[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs until it finishes.
 
@@ -150,7 +151,14 @@ class EngineCore:
         """
         if self._stopping:
             raise RuntimeError("engine is shutting down")
-        req = self.kv.new_request(request_id, prompt_token_ids, cache_salt=cache_salt)
+        lora_name, lora_path = lora if lora is not None else (None, None)
+        req = self.kv.new_request(
+            request_id,
+            prompt_token_ids,
+            lora_name=lora_name,
+            lora_path=lora_path,
+            cache_salt=cache_salt,
+        )
         seq = _Seq(req, max_tokens, forced_token)
         self.waiting.append(seq)
         self._wake.set()

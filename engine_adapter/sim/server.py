@@ -62,6 +62,7 @@ class EngineSettings:
     max_num_batched_tokens: int = 4096
     timing: TimingModel = field(default_factory=TimingModel)
     data_parallel_rank: int = 0
+    lora_modules: dict[str, str] = field(default_factory=dict)  # name -> path (no weights)
 
 
 def blocks_for(profile: ModelProfile, max_model_len: int, max_num_batched_tokens: int) -> int:
@@ -153,7 +154,7 @@ def build_engine(settings: EngineSettings) -> tuple[FastAPI, EngineCore]:
         model_name=settings.model,
     )
     name = settings.name or f"{settings.host}:{settings.port}"
-    app = create_app(core, tokenizer, settings.model, name, max_model_len)
+    app = create_app(core, tokenizer, settings.model, name, max_model_len, settings.lora_modules)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -64,7 +64,7 @@ def test_a_requests_model_picks_the_instances_that_serve_it(tmp_path):
                 assert r.json()["error"] == {
                     "message": "The model `gamma` does not exist.",
                     "type": "NotFoundError",
-                    "param": None,
+                    "param": "model",
                     "code": 404,
                 }
             listed = httpx.get(f"{router.url}/v1/models").json()
