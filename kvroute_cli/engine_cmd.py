@@ -44,6 +44,9 @@ def engine(
     time_scale: float = typer.Option(1.0, help="Run the timing model X times faster."),
     prefill_tokens_per_s: float = typer.Option(10_000.0),
     data_parallel_rank: int = typer.Option(0),
+    data_parallel_size: int = typer.Option(
+        1, min=1, help="Ranks behind this server, each with its own cache and event stream."
+    ),
     lora_modules: list[str] = typer.Option(
         None, help="LoRA adapters as vLLM's --lora-modules NAME=PATH (no weights); repeatable."
     ),
@@ -101,6 +104,7 @@ def engine(
         max_num_batched_tokens=max_num_batched_tokens,
         timing=TimingModel(prefill_s_per_token=1.0 / prefill_tokens_per_s, time_scale=time_scale),
         data_parallel_rank=data_parallel_rank,
+        data_parallel_size=data_parallel_size,
         lora_modules=loras,
     )
     try:

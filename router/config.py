@@ -6,7 +6,8 @@ Names follow vLLM where the concept is vLLM's (``block_size``, ``hash_algo`` =
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -23,12 +24,13 @@ __all__ = [
     "from_kv_events_config",
     "load_settings",
     "parse_instance",
+    "rank_specs",
 ]
 
 
 @dataclass(frozen=True, slots=True)
 class InstanceSpec:
-    """``URL[=EVENTS_ENDPOINT[,replay=ENDPOINT][,topic=T][,model=NAME]...]`` or ``URL=<vLLM's
+    """``URL[=EVENTS_ENDPOINT[,replay=ENDPOINT][,topic=T][,model=NAME]...[,dp=N]]`` or ``URL=<vLLM's
     --kv-events-config JSON>``, as the router's subscriber sees it.
 
     ``bind``: whether the router's SUB socket binds ``events`` (the engine connects to
@@ -41,6 +43,36 @@ class InstanceSpec:
     topic: str = ""
     bind: bool | None = None
     models: tuple[str, ...] = ()  # declared served models: override its /v1/models
+    # ``dp=N``: the engine runs N data-parallel ranks; each becomes its own target
+    # (``rank_specs``), named ``URL#dpR`` and reached with vLLM's X-data-parallel-rank.
+    dp_size: int = 1
+    dp_rank: int | None = None
+
+    @property
+    def http_url(self) -> str:
+        """Where the engine answers HTTP (a rank target's name without ``#dpR``)."""
+        return self.url.partition("#")[0]
+
+
+def rank_specs(spec: InstanceSpec) -> list[InstanceSpec]:
+    """One target per data-parallel rank: vLLM's rank r publishes on the endpoint and
+    replay endpoint offset by r (``offset_endpoint_port``: tcp port + r, inproc ``_dpR``)."""
+    if spec.dp_size <= 1:
+        return [spec]
+    from events.publisher import offset_endpoint_port
+
+    return [
+        InstanceSpec(
+            f"{spec.url}#dp{r}",
+            offset_endpoint_port(spec.events, r),
+            offset_endpoint_port(spec.replay, r),
+            spec.topic,
+            spec.bind,
+            spec.models,
+            dp_rank=r,
+        )
+        for r in range(spec.dp_size)
+    ]
 
 
 def _check_endpoint(ep: str | None) -> None:
@@ -88,33 +120,61 @@ def from_kv_events_config(url: str, text: str) -> InstanceSpec:
 
 
 def parse_instance(text: str) -> InstanceSpec:
-    """Parse one ``--instance`` value; raises ValueError with the reason."""
+    """Parse one ``--instance`` value; raises ValueError with the reason.
+
+    ``URL=EVENTS[,replay=EP][,topic=T][,model=NAME]...[,dp=N]``, or ``URL=<vLLM's
+    --kv-events-config JSON>`` optionally followed by ``,model=NAME`` / ``,dp=N``.
+    """
     url, _, rest = text.strip().partition("=")
     url = url.rstrip("/")
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise ValueError(f"instance URL must be http(s)://host:port, got {url!r}")
-    if rest.lstrip().startswith("{"):
-        return from_kv_events_config(url, rest)
-    events = replay = None
-    topic = ""
-    models: list[str] = []
-    if rest:
-        parts = rest.split(",")
-        events = parts[0] or None
-        for part in parts[1:]:
-            key, _, value = part.partition("=")
-            if key == "replay":
-                replay = value or None
-            elif key == "topic":
-                topic = value
-            elif key == "model" and value:
-                models.append(value)
-            else:
-                raise ValueError(f"unknown instance option {key!r} in {text!r}")
-        for ep in (events, replay):
-            _check_endpoint(ep)
-    return InstanceSpec(url, events, replay, topic, models=tuple(models))
+    rest = rest.strip()
+    if rest.startswith("{"):
+        try:
+            _, end = json.JSONDecoder().raw_decode(rest)
+        except ValueError as exc:
+            raise ValueError(f"bad --kv-events-config JSON in {text!r}: {exc}") from None
+        base = from_kv_events_config(url, rest[:end])
+        options = rest[end:]
+        if options and not options.startswith(","):
+            raise ValueError(f"expected ',option=value' after the JSON in {text!r}")
+        parts = ["", *options.split(",")[1:]] if options else []
+        return _with_options(base, parts, text, allowed=("model", "dp"))
+    parts = rest.split(",") if rest else []
+    events = parts[0] if parts else None
+    _check_endpoint(events or None)
+    return _with_options(InstanceSpec(url, events or None), parts, text)
+
+
+def _with_options(
+    spec: InstanceSpec,
+    parts: list[str],
+    text: str,
+    allowed: tuple[str, ...] = ("replay", "topic", "model", "dp"),
+) -> InstanceSpec:
+    """``spec`` with the ``key=value`` options of ``parts[1:]``."""
+    replay, topic, models, dp = spec.replay, spec.topic, list(spec.models), spec.dp_size
+    for part in parts[1:]:
+        key, _, value = part.partition("=")
+        if key not in allowed:
+            raise ValueError(f"unknown instance option {key!r} in {text!r}")
+        if key == "replay":
+            replay = value or None
+            _check_endpoint(replay)
+        elif key == "topic":
+            topic = value
+        elif key == "model" and value:
+            models.append(value)
+        elif key == "dp":
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"dp must be a positive rank count, got {value!r} in {text!r}")
+            dp = int(value)
+    spec = replace(spec, replay=replay, topic=topic, models=tuple(models), dp_size=dp)
+    if dp > 1:
+        rank_specs(spec)  # an endpoint that cannot be offset per rank fails here
+    return spec
 
 
 class RouterSettings(BaseSettings):

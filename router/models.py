@@ -90,7 +90,7 @@ class ModelRegistry:
     async def refresh(self, inst: Instance) -> None:
         """Read ``inst``'s ``/v1/models``; an unreadable answer keeps what was known."""
         try:
-            r = await self._client.get(f"{inst.url}/v1/models", timeout=self.timeout_s)
+            r = await self._client.get(f"{inst.http_url}/v1/models", timeout=self.timeout_s)
             data = r.json().get("data") if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError, AttributeError):
             return

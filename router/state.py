@@ -11,7 +11,7 @@ import httpx
 
 from router.admission import AdmissionConfig, AdmissionController
 from router.affinity import AffinityConfig, SessionAffinity
-from router.config import InstanceSpec, RouterSettings, parse_instance
+from router.config import InstanceSpec, RouterSettings, parse_instance, rank_specs
 from router.decide import RouteDecision, Router
 from router.index import open_index
 from router.ingest import IngestManager
@@ -151,7 +151,7 @@ class RouterState:
 
     def _any_healthy(self) -> str | None:
         healthy = self.registry.healthy()
-        return healthy[0].url if healthy else None
+        return healthy[0].http_url if healthy else None
 
     async def start(self) -> None:
         for text in self.settings.instances:
@@ -176,6 +176,12 @@ class RouterState:
         await self.client.aclose()
 
     async def add_instance(self, spec: InstanceSpec, *, probe: bool = True) -> Instance:
+        """Register an instance (``dp=N``: one target per data-parallel rank, the first
+        returned)."""
+        targets = [await self._add_target(t, probe=probe) for t in rank_specs(spec)]
+        return targets[0]
+
+    async def _add_target(self, spec: InstanceSpec, *, probe: bool) -> Instance:
         inst = self.registry.add(spec)
         self.models.declare(spec.url, spec.models)
         if spec.events:
@@ -194,9 +200,17 @@ class RouterState:
         return inst
 
     async def remove_instance(self, url: str) -> bool:
+        """Remove a target, or every rank target of the instance at ``url``."""
+        url = url.rstrip("/")
+        names = [i.url for i in self.registry.all() if url in (i.url, i.http_url)]
+        for name in names:
+            await self._remove_target(name)
+        return bool(names)
+
+    async def _remove_target(self, url: str) -> None:
         inst = self.registry.remove(url)
         if inst is None:
-            return False
+            return
         if inst.spec.events:
             await self.ingest.remove_instance(inst.url)
         else:
@@ -204,7 +218,6 @@ class RouterState:
                 await self.index.clear(inst.url)
         self.speculative.forget(inst.url)
         self.models.forget(inst.url)
-        return True
 
     async def _share_layouts(self) -> None:
         """Readers of a shared index learn layouts from the ingesting router."""
@@ -216,6 +229,7 @@ class RouterState:
     def describe(self, inst: Instance) -> dict[str, Any]:
         return {
             "url": inst.url,
+            "data_parallel_rank": inst.spec.dp_rank,
             "events": inst.spec.events,
             "replay": inst.spec.replay,
             "healthy": inst.healthy,

@@ -9,11 +9,12 @@ benchmarks can attribute load even behind routers that add no header.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from engine_adapter.sim.core import EngineCore, RequestOutput
+from engine_adapter.sim.metrics import merged_registry
 from engine_adapter.sim.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -75,7 +77,7 @@ def _usage(out: RequestOutput) -> dict[str, Any]:
 
 
 def create_app(
-    core: EngineCore,
+    core: EngineCore | Sequence[EngineCore],
     tokenizer: Tokenizer,
     model_name: str,
     engine_name: str,
@@ -85,6 +87,29 @@ def create_app(
     """``lora_modules``: adapter name -> path, served as vLLM's ``--lora-modules`` are (no
     weights: an adapter request is keyed by ``("lora", name, path)`` on every block)."""
     loras = dict(lora_modules or {})
+    # Data-parallel ranks, in rank order: a client picks one with vLLM's
+    # ``X-data-parallel-rank`` header; otherwise the least loaded takes it.
+    cores = list(core) if isinstance(core, Sequence) else [core]
+    registry = merged_registry([c.registry for c in cores])
+    turn = itertools.count()
+
+    def _rank(request: Request) -> EngineCore | JSONResponse:
+        raw = request.headers.get("x-data-parallel-rank")
+        try:
+            rank = int(raw) if raw is not None else None
+        except ValueError:
+            rank = None  # vLLM ignores a header it cannot parse
+        if rank is None:
+            start = next(turn)
+            n = len(cores)
+            return min(
+                (cores[(start + i) % n] for i in range(n)),
+                key=lambda c: len(c.waiting) + len(c.running),
+            )
+        if not 0 <= rank < len(cores):
+            return _error(f"data_parallel_rank {rank} is out of range [0, {len(cores)}).", 400)
+        return cores[rank]
+
     app = FastAPI(title="kvroute simulated engine", docs_url=None, redoc_url=None)
     fingerprint = f"kvroute-engine:{engine_name}"
 
@@ -133,6 +158,7 @@ def create_app(
         forced_token: int | None = None,
         cache_salt: str | None = None,
         model: str | None = None,
+        core: EngineCore = cores[0],
     ) -> Response:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -241,9 +267,19 @@ def create_app(
         out = _check(req.model, ids, req.output_len)
         if isinstance(out, JSONResponse):
             return out
+        if isinstance(rank := _rank(request), JSONResponse):
+            return rank
         usage = bool(req.stream_options and req.stream_options.include_usage)
         return await _run(
-            "completion", ids, out, req.stream, usage, req.forced_token, req.cache_salt, req.model
+            "completion",
+            ids,
+            out,
+            req.stream,
+            usage,
+            req.forced_token,
+            req.cache_salt,
+            req.model,
+            rank,
         )
 
     @app.post("/v1/chat/completions")
@@ -256,9 +292,11 @@ def create_app(
         out = _check(req.model, ids, req.output_len)
         if isinstance(out, JSONResponse):
             return out
+        if isinstance(rank := _rank(request), JSONResponse):
+            return rank
         usage = bool(req.stream_options and req.stream_options.include_usage)
         return await _run(
-            "chat", ids, out, req.stream, usage, req.forced_token, req.cache_salt, req.model
+            "chat", ids, out, req.stream, usage, req.forced_token, req.cache_salt, req.model, rank
         )
 
     @app.post("/tokenize")
@@ -306,11 +344,12 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if core.healthy else 503)
+        return Response(status_code=200 if all(c.healthy for c in cores) else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        core.refresh_metrics()
-        return Response(generate_latest(core.registry), media_type=CONTENT_TYPE_LATEST)
+        for c in cores:
+            c.refresh_metrics()
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

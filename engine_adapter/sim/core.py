@@ -92,13 +92,14 @@ class EngineCore:
         publisher: EventPublisher | None = None,
         filler_token_ids: list[int] | None = None,
         model_name: str = "kvroute-sim",
+        data_parallel_rank: int = 0,
     ) -> None:
         self.kv = kv
         self.timing = timing or TimingModel()
         self.config = scheduler or SchedulerConfig()
         self.publisher = publisher or NullEventPublisher()
         self.filler = filler_token_ids or list(FILLER_TEXT.encode())
-        self.metrics = EngineMetrics(model_name, kv.block_size)
+        self.metrics = EngineMetrics(model_name, kv.block_size, engine=data_parallel_rank)
         self.registry = self.metrics.registry
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
