@@ -4,9 +4,10 @@ An instance is *busy* when any configured threshold is reached: the engine's wai
 queue (``vllm:num_requests_waiting``), its KV usage (``vllm:kv_cache_usage_perc``, a
 fraction), both as of the last health probe, or the router's own in-flight count (sent
 and not finished: before and after the first byte). While some instance of the pool is
-not busy, requests pass at once. When all are, a request waits in a bounded FIFO queue
-until one frees up, or its wait times out; a full queue or a timeout answers 429 with
-``Retry-After``. Off by default: with no threshold set nothing is ever busy.
+not busy, requests pass at once and are routed among those (a busy instance is no
+candidate, whatever it has cached). When all are busy, a request waits in a bounded FIFO
+queue until one frees up, or its wait times out; a full queue or a timeout answers 429
+with ``Retry-After``. Off by default: with no threshold set nothing is ever busy.
 
 Engine metrics move only at each probe, so they gate coarsely; the router's in-flight
 count moves with every request, so it is precise: a request let through holds a slot
@@ -131,6 +132,14 @@ class AdmissionController:
         if m is None:
             return True
         return sum(max(0, m - router_load(i)) for i in open_) > self._pending
+
+    def open_instances(self, pool: Sequence[Instance]) -> list[Instance]:
+        """The instances of ``pool`` under every threshold: where an admitted request
+        goes (a busy instance is no candidate while another is free); all when off."""
+        if not self.config.enabled:
+            return list(pool)
+        open_ = [i for i in pool if self.busy_reason(i) is None]
+        return open_ or list(pool)
 
     # ---- admission --------------------------------------------------------------------
 

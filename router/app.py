@@ -93,6 +93,7 @@ def create_app(state: RouterState) -> FastAPI:
             ticket = await state.admission.admit(pool)
             if isinstance(ticket, Rejected):
                 return rejected_response(ticket)
+        pool = state.admission.open_instances(pool)
         lora = state.models.adapter(model, pool)
         session = state.affinity.session_key(request.headers, data)
         decision = await state.router.decide(
@@ -136,13 +137,12 @@ def create_app(state: RouterState) -> FastAPI:
         if isinstance(routed, Response):
             return routed
         out = await state.router.explain(routed[2])
-        pool = [state.registry.get(u) for u in routed[2].candidates]
-        pool = [i for i in pool if i is not None]
         model = routed[1].get("model")
+        pool = state.models.pool(model, state.registry.healthy(), state.registry.all()) or []
         lora = state.models.adapter(model, pool)
         out["model"] = {
             "requested": model,
-            "pool": [i.url for i in pool],
+            "pool": [i.url for i in pool],  # candidates: those of it not busy
             "lora": lora[0] if lora else None,
         }
         out["admission"] = state.admission.describe(pool)

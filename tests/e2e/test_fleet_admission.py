@@ -154,3 +154,26 @@ async def _holding_later(client: httpx.AsyncClient, url: str):
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
             await task
+
+
+async def test_a_busy_instance_is_no_candidate_while_another_is_free(tmp_path):
+    with engines(tmp_path, 2, *SLOW) as engs:
+        router = start_router(tmp_path, engs, "--admission-max-inflight", "1")
+        try:
+            async with (
+                httpx.AsyncClient(timeout=30) as client,
+                _holding(client, router.url) as held,
+            ):
+                busy = held.headers["x-kvroute-instance"]
+                free = next(e.url for e in engs if e.url != busy)
+                # The held prompt's blocks are predicted on the busy instance, yet the same
+                # prompt goes to the free one.
+                body = {"prompt": LONG["prompt"], "max_tokens": 2}
+                view = (await client.post(f"{router.url}/debug/route", json=body)).json()
+                assert sorted(view["model"]["pool"]) == sorted(e.url for e in engs)
+                assert [c["instance"] for c in view["candidates"]] == [free]
+                assert view["admission"]["busy"][busy].startswith("inflight")
+                r = await client.post(f"{router.url}/v1/completions", json=body)
+                assert r.status_code == 200 and r.headers["x-kvroute-instance"] == free
+        finally:
+            router.stop()

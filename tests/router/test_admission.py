@@ -48,8 +48,10 @@ async def test_engine_thresholds_mark_busy_and_a_full_queue_rejects_at_once():
     assert ctl.busy_reason(b).startswith("kv_usage")
     out = await ctl.admit([a, b])
     assert isinstance(out, Rejected) and out.reason == "queue_full" and out.retry_after_s == 3
+    assert ctl.open_instances([a, b]) == [a, b]  # all busy: the queue decides, not this
     b.engine_stats = {"kv_gpu_usage": 0.5}
     assert isinstance(await ctl.admit([a, b]), Ticket)
+    assert ctl.open_instances([a, b]) == [b]
 
 
 async def test_no_threshold_means_no_admission_control():
