@@ -56,8 +56,10 @@ class InstanceSpec:
 
 def rank_specs(spec: InstanceSpec) -> list[InstanceSpec]:
     """One target per data-parallel rank: vLLM's rank r publishes on the endpoint and
-    replay endpoint offset by r (``offset_endpoint_port``: tcp port + r, inproc ``_dpR``)."""
-    if spec.dp_size <= 1:
+    replay endpoint offset by r (``offset_endpoint_port``: tcp port + r, inproc ``_dpR``).
+    Without events the ranks cannot be told apart: the instance stays one target and
+    vLLM balances its own ranks."""
+    if spec.dp_size <= 1 or spec.events is None:
         return [spec]
     from events.publisher import offset_endpoint_port
 
