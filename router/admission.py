@@ -68,18 +68,23 @@ def rejected_response(r: Rejected) -> JSONResponse:
 
 
 class Ticket:
-    """A slot held from admission until the request's forward has started (``release``)."""
+    """A slot held from admission until the request's forward has started (``release``),
+    counted against the instances of its pool only."""
 
-    __slots__ = ("_held", "_owner")
+    __slots__ = ("_owner", "pool_ids")
 
-    def __init__(self, owner: AdmissionController | None) -> None:
+    def __init__(self, owner: AdmissionController | None, pool_ids: frozenset[int]) -> None:
         self._owner = owner
-        self._held = owner is not None
+        self.pool_ids = pool_ids
 
     def release(self) -> None:
-        if self._held and self._owner is not None:
-            self._held = False
-            self._owner._release()
+        if self._owner is not None:
+            owner, self._owner = self._owner, None
+            owner._release(self)
+
+
+def _ids(pool: Sequence[Instance]) -> frozenset[int]:
+    return frozenset(id(i) for i in pool)
 
 
 def router_load(inst: Instance) -> int:
@@ -90,8 +95,8 @@ def router_load(inst: Instance) -> int:
 class AdmissionController:
     def __init__(self, config: AdmissionConfig, registry: CollectorRegistry | None = None) -> None:
         self.config = config
-        self._pending = 0  # admitted, forward not started yet
-        self._queue: collections.deque[tuple[asyncio.Future[None], Sequence[Instance]]] = (
+        self._pending: set[Ticket] = set()  # admitted, forward not started yet
+        self._queue: collections.deque[tuple[asyncio.Future[Ticket], Sequence[Instance]]] = (
             collections.deque()
         )
         r = registry or CollectorRegistry()
@@ -131,7 +136,9 @@ class AdmissionController:
         m = self.config.max_inflight
         if m is None:
             return True
-        return sum(max(0, m - router_load(i)) for i in open_) > self._pending
+        ids = _ids(pool)
+        pending = sum(1 for t in self._pending if t.pool_ids & ids)
+        return sum(max(0, m - router_load(i)) for i in open_) > pending
 
     def open_instances(self, pool: Sequence[Instance]) -> list[Instance]:
         """The instances of ``pool`` under every threshold: where an admitted request
@@ -146,21 +153,20 @@ class AdmissionController:
     async def admit(self, pool: Sequence[Instance]) -> Ticket | Rejected:
         """A ticket once ``pool`` has room (at once, or after queueing), or why not."""
         if not self.config.enabled or not pool:
-            return Ticket(None)
-        if not self._queue and self._has_room(pool):
-            self._pending += 1
+            return Ticket(None, frozenset())
+        if not self._queued_for(pool) and self._has_room(pool):
             self.wait_seconds.observe(0.0)
-            return Ticket(self)
+            return self._issue(pool)
         c = self.config
         if len(self._queue) >= c.queue_size:
             return self._reject("queue_full", f"admission queue full ({c.queue_size} waiting)")
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
         entry = (fut, pool)
         self._queue.append(entry)
         self.depth.set(len(self._queue))
         t0 = time.monotonic()
         try:
-            await asyncio.wait_for(asyncio.shield(fut), c.queue_timeout_s)
+            ticket = await asyncio.wait_for(asyncio.shield(fut), c.queue_timeout_s)
         except TimeoutError:
             if not fut.done():
                 self._queue.remove(entry)
@@ -168,15 +174,21 @@ class AdmissionController:
                 return self._reject(
                     "timeout", f"every instance busy for {c.queue_timeout_s:g} s; try later"
                 )
+            ticket = fut.result()  # admitted at the very instant it timed out
         except asyncio.CancelledError:  # the client went away while queued
             if entry in self._queue:
                 self._queue.remove(entry)
                 self.depth.set(len(self._queue))
             elif fut.done():
-                self._release()
+                fut.result().release()
             raise
         self.wait_seconds.observe(time.monotonic() - t0)
-        return Ticket(self)
+        return ticket
+
+    def _issue(self, pool: Sequence[Instance]) -> Ticket:
+        ticket = Ticket(self, _ids(pool))
+        self._pending.add(ticket)
+        return ticket
 
     def _reject(self, reason: str, message: str) -> Rejected:
         self.rejections.labels(reason).inc()
@@ -184,24 +196,26 @@ class AdmissionController:
         after = c.retry_after_s if c.retry_after_s is not None else c.queue_timeout_s
         return Rejected(reason, max(1, math.ceil(after)), message)
 
-    def _release(self) -> None:
-        self._pending -= 1
+    def _release(self, ticket: Ticket) -> None:
+        self._pending.discard(ticket)
         self.notify()
+
+    def _queued_for(self, pool: Sequence[Instance]) -> bool:
+        """Someone already waits for an instance of ``pool``: a newcomer queues behind."""
+        ids = _ids(pool)
+        return any(ids & _ids(p) for _, p in self._queue)
 
     def notify(self) -> None:
         """Capacity may have changed (a request ended, a probe read new metrics): admit
-        queued requests, oldest first, while their pool has room. A head whose pool is
-        full blocks those behind it (FIFO; one pool per router is the common case)."""
-        while self._queue:
-            fut, pool = self._queue[0]
+        queued requests, oldest first, each once its pool has room. Requests for another
+        model's pool are not held up behind a full one."""
+        for entry in list(self._queue):
+            fut, pool = entry
             if fut.done():  # timed out at the same instant; its waiter removes it
-                self._queue.popleft()
                 continue
-            if not self._has_room(pool):
-                break
-            self._queue.popleft()
-            self._pending += 1
-            fut.set_result(None)
+            if self._has_room(pool):
+                self._queue.remove(entry)
+                fut.set_result(self._issue(pool))
         self.depth.set(len(self._queue))
 
     def describe(self, pool: Sequence[Instance]) -> dict[str, Any]:

@@ -96,12 +96,15 @@ def create_app(state: RouterState) -> FastAPI:
         pool = state.admission.open_instances(pool)
         lora = state.models.adapter(model, pool)
         session = state.affinity.session_key(request.headers, data)
-        decision = await state.router.decide(
-            data, kind, record=forward, instances=pool, lora=lora, session=session
-        )
+        decision = None
+        try:
+            decision = await state.router.decide(
+                data, kind, record=forward, instances=pool, lora=lora, session=session
+            )
+        finally:
+            if decision is None and ticket is not None:
+                ticket.release()  # not routed: none healthy, an error, the client gone
         if decision is None:
-            if ticket is not None:
-                ticket.release()
             return error_response("no healthy instance", 503, "ServiceUnavailableError")
         decision.ticket = ticket
         if forward and dashboard is not None:

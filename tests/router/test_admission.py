@@ -60,3 +60,16 @@ async def test_no_threshold_means_no_admission_control():
     ctl = AdmissionController(AdmissionConfig(queue_size=0))
     assert not ctl.config.enabled
     assert isinstance(await ctl.admit([inst]), Ticket)
+
+
+async def test_a_full_pool_does_not_hold_up_requests_for_another_models_pool():
+    a, b = _inst("http://a:1"), _inst("http://b:1")
+    ctl = AdmissionController(AdmissionConfig(max_inflight=1, queue_timeout_s=30))
+    a.running_requests = 1  # model A's only instance is busy
+    waiting_for_a = asyncio.create_task(ctl.admit([a]))
+    await asyncio.sleep(0)
+    assert ctl.describe([a])["queue_depth"] == 1
+    assert isinstance(await ctl.admit([b]), Ticket)  # model B's pool has room: no queue
+    a.running_requests = 0
+    ctl.notify()
+    assert isinstance(await asyncio.wait_for(waiting_for_a, 5), Ticket)
