@@ -112,7 +112,7 @@ class Router:
         healthy = list(instances) if instances is not None else self.registry.healthy()
         if not healthy:
             return None
-        ids = await self.tokenizer.prompt_ids(body, kind)
+        ids = await self.tokenizer.prompt_ids(body, kind, healthy[0].http_url)
         n_tokens = len(ids) if ids is not None else 0
         # 1. Which hash block size each candidate uses (vLLM picks it; events tell).
         urls = [i.url for i in healthy]

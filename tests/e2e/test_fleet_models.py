@@ -31,7 +31,8 @@ def test_a_requests_model_picks_the_instances_that_serve_it(tmp_path):
         engines(tmp_path, 1, *FAST, "--model", "alpha") as (a,),
         engines(tmp_path, 1, *FAST, "--model", "beta") as (b,),
     ):
-        router = start_router(tmp_path, [a, b])
+        # remote: each request is tokenized by an instance of its pool (its model's tokenizer)
+        router = start_router(tmp_path, [a, b], "--tokenizer", "remote")
         try:
             url = f"{router.url}/v1/completions"
             prompt = "a prompt both models could cache, but only alpha's instance does. " * 4
