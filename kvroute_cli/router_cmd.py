@@ -11,7 +11,9 @@ def router(
     host: str = typer.Option(None, help="Bind address [default 127.0.0.1]."),
     port: int = typer.Option(None, help="Port [default 8080]."),
     instance: list[str] = typer.Option(
-        None, help="URL[=EVENTS_ENDPOINT[,replay=ENDPOINT][,topic=T]]; repeatable."
+        None,
+        help="URL[=EVENTS_ENDPOINT[,replay=ENDPOINT][,topic=T][,model=NAME][,dp=N]] or "
+        "URL=<--kv-events-config JSON>[,model=NAME][,dp=N]; repeatable.",
     ),
     index: str = typer.Option(None, help="memory | redis://... | rediss://... | unix://..."),
     policy: str = typer.Option(
