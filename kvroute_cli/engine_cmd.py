@@ -44,6 +44,12 @@ def engine(
     time_scale: float = typer.Option(1.0, help="Run the timing model X times faster."),
     prefill_tokens_per_s: float = typer.Option(10_000.0),
     data_parallel_rank: int = typer.Option(0),
+    data_parallel_size: int = typer.Option(
+        1, min=1, help="Ranks behind this server, each with its own cache and event stream."
+    ),
+    lora_modules: list[str] = typer.Option(
+        None, help="LoRA adapters as vLLM's --lora-modules NAME=PATH (no weights); repeatable."
+    ),
     log_level: str = typer.Option("info"),
 ) -> None:
     """Serve /v1/completions, /v1/chat/completions, /tokenize, /metrics over a simulated
@@ -64,6 +70,14 @@ def engine(
             parse_layout(layout, block_size or 16)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--layout") from exc
+    loras: dict[str, str] = {}
+    for item in lora_modules or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise typer.BadParameter(
+                f"expected NAME=PATH, got {item!r}", param_hint="--lora-modules"
+            )
+        loras[name] = path
     if time_scale <= 0 or prefill_tokens_per_s <= 0:
         raise typer.BadParameter("--time-scale and --prefill-tokens-per-s must be positive")
     settings = EngineSettings(
@@ -90,6 +104,8 @@ def engine(
         max_num_batched_tokens=max_num_batched_tokens,
         timing=TimingModel(prefill_s_per_token=1.0 / prefill_tokens_per_s, time_scale=time_scale),
         data_parallel_rank=data_parallel_rank,
+        data_parallel_size=data_parallel_size,
+        lora_modules=loras,
     )
     try:
         serve(settings, log_level=log_level)

@@ -11,7 +11,9 @@ def router(
     host: str = typer.Option(None, help="Bind address [default 127.0.0.1]."),
     port: int = typer.Option(None, help="Port [default 8080]."),
     instance: list[str] = typer.Option(
-        None, help="URL[=EVENTS_ENDPOINT[,replay=ENDPOINT][,topic=T]]; repeatable."
+        None,
+        help="URL[=EVENTS_ENDPOINT[,replay=ENDPOINT][,topic=T][,model=NAME][,dp=N]] or "
+        "URL=<--kv-events-config JSON>[,model=NAME][,dp=N]; repeatable.",
     ),
     index: str = typer.Option(None, help="memory | redis://... | rediss://... | unix://..."),
     policy: str = typer.Option(
@@ -27,6 +29,32 @@ def router(
     health_interval: float = typer.Option(None, help="Seconds between health probes."),
     dashboard: bool = typer.Option(
         None, "--dashboard/--no-dashboard", help="Serve GET /dashboard [default on]."
+    ),
+    admission_max_waiting: int = typer.Option(
+        None, help="Admission: an instance is busy at this many engine-waiting requests."
+    ),
+    admission_max_kv_usage: float = typer.Option(
+        None, help="Admission: busy at this engine KV usage (0-1]."
+    ),
+    admission_max_inflight: int = typer.Option(
+        None, help="Admission: busy at this many router requests in flight to it."
+    ),
+    admission_queue_size: int = typer.Option(
+        None, help="Admission: requests that may wait when all are busy [1024]."
+    ),
+    admission_timeout: float = typer.Option(
+        None, help="Admission: seconds a request may wait before 429 [30]."
+    ),
+    session_header: str = typer.Option(
+        None, help="Session affinity: the header naming a session, e.g. X-Session-ID."
+    ),
+    session_user_field: bool = typer.Option(
+        None,
+        "--session-user-field/--no-session-user-field",
+        help="Session affinity: the OpenAI `user` field names a session [off].",
+    ),
+    session_max_extra_ttft: float = typer.Option(
+        None, help="Session affinity: extra predicted TTFT (s) a session may cost [0.05]."
     ),
     config: Path = typer.Option(None, help="YAML file with the same settings.", exists=True),
     log_level: str = typer.Option(None, help="uvicorn log level."),
@@ -53,6 +81,14 @@ def router(
         "temperature": temperature,
         "health_interval_s": health_interval,
         "dashboard": dashboard,
+        "admission_max_waiting": admission_max_waiting,
+        "admission_max_kv_usage": admission_max_kv_usage,
+        "admission_max_inflight": admission_max_inflight,
+        "admission_queue_size": admission_queue_size,
+        "admission_timeout_s": admission_timeout,
+        "session_header": session_header,
+        "session_user_field": session_user_field,
+        "session_max_extra_ttft_s": session_max_extra_ttft,
         "log_level": log_level,
     }
     try:

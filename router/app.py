@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
@@ -12,9 +11,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from router.admission import Rejected, rejected_response
 from router.config import parse_instance
 from router.dashboard import mount_dashboard
 from router.decide import RouteDecision
+from router.models import unknown_model_response
 from router.proxy import error_response, request_headers
 from router.state import RouterState
 
@@ -83,9 +84,29 @@ def create_app(state: RouterState) -> FastAPI:
             kind = "chat" if "messages" in data else "completion"
         if (err := _validate(kind, data)) is not None:
             return err
-        decision = await state.router.decide(data, kind, record=forward)
+        model = data.get("model")
+        pool = state.models.pool(model, state.registry.healthy(), state.registry.all())
+        if pool is None:
+            return unknown_model_response(model)
+        ticket = None
+        if forward:
+            ticket = await state.admission.admit(pool)
+            if isinstance(ticket, Rejected):
+                return rejected_response(ticket)
+        pool = state.admission.open_instances(pool)
+        lora = state.models.adapter(model, pool)
+        session = state.affinity.session_key(request.headers, data)
+        decision = None
+        try:
+            decision = await state.router.decide(
+                data, kind, record=forward, instances=pool, lora=lora, session=session
+            )
+        finally:
+            if decision is None and ticket is not None:
+                ticket.release()  # not routed: none healthy, an error, the client gone
         if decision is None:
             return error_response("no healthy instance", 503, "ServiceUnavailableError")
+        decision.ticket = ticket
         if forward and dashboard is not None:
             dashboard.record(decision, kind)
         return raw, data, decision
@@ -96,9 +117,13 @@ def create_app(state: RouterState) -> FastAPI:
             return routed
         raw, data, decision = routed
         streaming = bool(data.get("stream"))
-        return await state.forwarder.forward(
-            path, raw, request_headers(request.headers), decision, streaming
-        )
+        try:
+            return await state.forwarder.forward(
+                path, raw, request_headers(request.headers), decision, streaming
+            )
+        finally:
+            if decision.ticket is not None:  # no forward started (all failed): free it
+                decision.ticket.release()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -114,24 +139,23 @@ def create_app(state: RouterState) -> FastAPI:
         routed = await _decide(request, None, forward=False)
         if isinstance(routed, Response):
             return routed
-        return JSONResponse(await state.router.explain(routed[2]))
+        out = await state.router.explain(routed[2])
+        model = routed[1].get("model")
+        pool = state.models.pool(model, state.registry.healthy(), state.registry.all()) or []
+        lora = state.models.adapter(model, pool)
+        out["model"] = {
+            "requested": model,
+            "pool": [i.url for i in pool],  # candidates: those of it not busy
+            "lora": lora[0] if lora else None,
+        }
+        out["admission"] = state.admission.describe(pool)
+        return JSONResponse(out)
 
     @app.get("/v1/models")
     async def models() -> Response:
-        async def fetch(url: str) -> list[dict[str, Any]]:
-            try:
-                r = await state.client.get(f"{url}/v1/models", timeout=s.health_timeout_s)
-                return r.json().get("data", []) if r.status_code == 200 else []
-            except Exception:
-                return []
-
-        lists = await asyncio.gather(*(fetch(i.url) for i in state.registry.healthy()))
-        seen: dict[str, dict[str, Any]] = {}
-        for entries in lists:
-            for m in entries:
-                if isinstance(m, dict) and "id" in m:
-                    seen.setdefault(m["id"], m)
-        return JSONResponse({"object": "list", "data": list(seen.values())})
+        """Every model and adapter the healthy instances serve, as of their last probe."""
+        cards = state.models.cards(state.registry.healthy())
+        return JSONResponse({"object": "list", "data": cards})
 
     @app.get("/health")
     async def health() -> Response:

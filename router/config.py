@@ -6,7 +6,8 @@ Names follow vLLM where the concept is vLLM's (``block_size``, ``hash_algo`` =
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -23,12 +24,13 @@ __all__ = [
     "from_kv_events_config",
     "load_settings",
     "parse_instance",
+    "rank_specs",
 ]
 
 
 @dataclass(frozen=True, slots=True)
 class InstanceSpec:
-    """``URL[=EVENTS_ENDPOINT[,replay=ENDPOINT][,topic=T]]`` or ``URL=<vLLM's
+    """``URL[=EVENTS_ENDPOINT[,replay=ENDPOINT][,topic=T][,model=NAME]...[,dp=N]]`` or ``URL=<vLLM's
     --kv-events-config JSON>``, as the router's subscriber sees it.
 
     ``bind``: whether the router's SUB socket binds ``events`` (the engine connects to
@@ -40,6 +42,39 @@ class InstanceSpec:
     replay: str | None = None
     topic: str = ""
     bind: bool | None = None
+    models: tuple[str, ...] = ()  # declared served models: override its /v1/models
+    # ``dp=N``: the engine runs N data-parallel ranks; each becomes its own target
+    # (``rank_specs``), named ``URL#dpR`` and reached with vLLM's X-data-parallel-rank.
+    dp_size: int = 1
+    dp_rank: int | None = None
+
+    @property
+    def http_url(self) -> str:
+        """Where the engine answers HTTP (a rank target's name without ``#dpR``)."""
+        return self.url.partition("#")[0]
+
+
+def rank_specs(spec: InstanceSpec) -> list[InstanceSpec]:
+    """One target per data-parallel rank: vLLM's rank r publishes on the endpoint and
+    replay endpoint offset by r (``offset_endpoint_port``: tcp port + r, inproc ``_dpR``).
+    Without events the ranks cannot be told apart: the instance stays one target and
+    vLLM balances its own ranks."""
+    if spec.dp_size <= 1 or spec.events is None:
+        return [spec]
+    from events.publisher import offset_endpoint_port
+
+    return [
+        InstanceSpec(
+            f"{spec.url}#dp{r}",
+            offset_endpoint_port(spec.events, r),
+            offset_endpoint_port(spec.replay, r),
+            spec.topic,
+            spec.bind,
+            spec.models,
+            dp_rank=r,
+        )
+        for r in range(spec.dp_size)
+    ]
 
 
 def _check_endpoint(ep: str | None) -> None:
@@ -87,30 +122,61 @@ def from_kv_events_config(url: str, text: str) -> InstanceSpec:
 
 
 def parse_instance(text: str) -> InstanceSpec:
-    """Parse one ``--instance`` value; raises ValueError with the reason."""
+    """Parse one ``--instance`` value; raises ValueError with the reason.
+
+    ``URL=EVENTS[,replay=EP][,topic=T][,model=NAME]...[,dp=N]``, or ``URL=<vLLM's
+    --kv-events-config JSON>`` optionally followed by ``,model=NAME`` / ``,dp=N``.
+    """
     url, _, rest = text.strip().partition("=")
     url = url.rstrip("/")
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise ValueError(f"instance URL must be http(s)://host:port, got {url!r}")
-    if rest.lstrip().startswith("{"):
-        return from_kv_events_config(url, rest)
-    events = replay = None
-    topic = ""
-    if rest:
-        parts = rest.split(",")
-        events = parts[0] or None
-        for part in parts[1:]:
-            key, _, value = part.partition("=")
-            if key == "replay":
-                replay = value or None
-            elif key == "topic":
-                topic = value
-            else:
-                raise ValueError(f"unknown instance option {key!r} in {text!r}")
-        for ep in (events, replay):
-            _check_endpoint(ep)
-    return InstanceSpec(url, events, replay, topic)
+    rest = rest.strip()
+    if rest.startswith("{"):
+        try:
+            _, end = json.JSONDecoder().raw_decode(rest)
+        except ValueError as exc:
+            raise ValueError(f"bad --kv-events-config JSON in {text!r}: {exc}") from None
+        base = from_kv_events_config(url, rest[:end])
+        options = rest[end:]
+        if options and not options.startswith(","):
+            raise ValueError(f"expected ',option=value' after the JSON in {text!r}")
+        parts = ["", *options.split(",")[1:]] if options else []
+        return _with_options(base, parts, text, allowed=("model", "dp"))
+    parts = rest.split(",") if rest else []
+    events = parts[0] if parts else None
+    _check_endpoint(events or None)
+    return _with_options(InstanceSpec(url, events or None), parts, text)
+
+
+def _with_options(
+    spec: InstanceSpec,
+    parts: list[str],
+    text: str,
+    allowed: tuple[str, ...] = ("replay", "topic", "model", "dp"),
+) -> InstanceSpec:
+    """``spec`` with the ``key=value`` options of ``parts[1:]``."""
+    replay, topic, models, dp = spec.replay, spec.topic, list(spec.models), spec.dp_size
+    for part in parts[1:]:
+        key, _, value = part.partition("=")
+        if key not in allowed:
+            raise ValueError(f"unknown instance option {key!r} in {text!r}")
+        if key == "replay":
+            replay = value or None
+            _check_endpoint(replay)
+        elif key == "topic":
+            topic = value
+        elif key == "model" and value:
+            models.append(value)
+        elif key == "dp":
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"dp must be a positive rank count, got {value!r} in {text!r}")
+            dp = int(value)
+    spec = replace(spec, replay=replay, topic=topic, models=tuple(models), dp_size=dp)
+    if dp > 1:
+        rank_specs(spec)  # an endpoint that cannot be offset per rank fails here
+    return spec
 
 
 class RouterSettings(BaseSettings):
@@ -146,6 +212,19 @@ class RouterSettings(BaseSettings):
     admin_token: str | None = None  # KVROUTE_ADMIN_TOKEN; unset disables the admin API
     dashboard: bool = True  # GET /dashboard (read-only live view); KVROUTE_DASHBOARD=false: 404
     redis_block_ttl_s: int | None = None
+    # Admission control (router.admission); no threshold set: off.
+    admission_max_waiting: int | None = Field(None, ge=0)
+    admission_max_kv_usage: float | None = Field(None, gt=0, le=1)
+    admission_max_inflight: int | None = Field(None, ge=1)
+    admission_queue_size: int = Field(1024, ge=0)
+    admission_timeout_s: float = Field(30.0, ge=0)
+    admission_retry_after_s: float | None = Field(None, ge=0)
+    # Session affinity (router.affinity); no header and no user field: off.
+    session_header: str | None = None  # e.g. "X-Session-ID"
+    session_user_field: bool = False  # the OpenAI ``user`` field names the session
+    session_max_extra_ttft_s: float = Field(0.05, ge=0)
+    session_ttl_s: float = Field(3600.0, gt=0)
+    session_max_sessions: int = Field(100_000, ge=1)
     log_level: str = "info"
 
     @field_validator("policy")

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from events.hashing import block_extra_keys, hash_request_blocks, wire_hash
 from events.retention import retained_prompt_blocks
+from router.affinity import SessionAffinity
 from router.index.base import BlockIndex, Tier, group_tier
 from router.instances import Instance, InstanceRegistry
 from router.metrics import RouterMetrics
@@ -42,6 +44,9 @@ class RouteDecision:
     elapsed_s: float
     # instance -> hashes its speculative entries were recorded under (released at the end)
     speculative_held: dict[str, list[int]] = field(default_factory=dict)
+    # router.admission.Ticket: the slot admission gave it, released once a forward starts
+    ticket: Any = None
+    affinity: dict[str, Any] | None = None  # router.affinity's account, for /debug/route
 
     def block_hashes(self, instance: str) -> list[int]:
         return self.hashes.get(self.hash_size.get(instance, 0), [])
@@ -69,6 +74,7 @@ class Router:
         block_size: int,
         hash_algo: str,
         seed: str | None,
+        affinity: SessionAffinity | None = None,
     ) -> None:
         self.registry = registry
         self.scorer = scorer
@@ -80,22 +86,33 @@ class Router:
         self.block_size = block_size  # until an instance's events say otherwise
         self.hash_algo = hash_algo
         self.seed = seed
+        self.affinity = affinity
 
     def hash_block_size(self, instance: str) -> int:
         layout = self.scorer.layouts.get(instance)
         return layout.hash_block_size if layout is not None else self.block_size
 
     async def decide(
-        self, body: dict[str, Any], kind: str, *, record: bool = True
+        self,
+        body: dict[str, Any],
+        kind: str,
+        *,
+        record: bool = True,
+        instances: Sequence[Instance] | None = None,
+        lora: tuple[str, str | None] | None = None,
+        session: str | None = None,
     ) -> RouteDecision | None:
         """None when no instance is healthy. ``record``: predict-on-route for the chosen
         instance now, with no await between choosing and recording, so a burst's next
-        request already sees it (``/debug/route`` passes False)."""
+        request already sees it (``/debug/route`` passes False). ``instances``: the
+        request's pool (``router.models``; default every healthy one); ``lora``: the
+        adapter it names, ``(name, path)``, an extra key of every block as in vLLM;
+        ``session``: its session key (``router.affinity``, applied after the ranking)."""
         t0 = time.perf_counter()
-        healthy = self.registry.healthy()
+        healthy = list(instances) if instances is not None else self.registry.healthy()
         if not healthy:
             return None
-        ids = await self.tokenizer.prompt_ids(body, kind)
+        ids = await self.tokenizer.prompt_ids(body, kind, healthy[0].http_url)
         n_tokens = len(ids) if ids is not None else 0
         # 1. Which hash block size each candidate uses (vLLM picks it; events tell).
         urls = [i.url for i in healthy]
@@ -115,7 +132,7 @@ class Router:
             for size, group in by_size.items():
                 # The engine keys block 0 with the request's cache_salt: a salted request
                 # is credited only with blocks stored under the same salt.
-                keys = block_extra_keys(len(ids) // size, cache_salt=salt)
+                keys = block_extra_keys(len(ids) // size, lora=lora, cache_salt=salt)
                 hashes[size] = hs = [
                     wire_hash(h)
                     for h in hash_request_blocks(ids, size, self.hash_algo, self.seed, keys)
@@ -134,6 +151,9 @@ class Router:
         # 4. The policy ranks the candidates.
         candidates = {i.url: self._candidate(i, scores.get(i.url)) for i in healthy}
         decision = self.policy.choose(list(candidates.values()), max(n_tokens, 1))
+        affinity = None
+        if self.affinity is not None:
+            decision, affinity = self.affinity.apply(decision, session, record=record)
         elapsed = time.perf_counter() - t0
         self.metrics.decision_seconds.observe(elapsed)
         out = RouteDecision(
@@ -147,6 +167,7 @@ class Router:
             index_ok,
             elapsed,
         )
+        out.affinity = affinity
         if record:
             self.routed(out, decision.instance)
         return out
@@ -245,6 +266,7 @@ class Router:
             "prompt_tokens": decision.prompt_tokens,
             "num_blocks": {str(k): len(v) for k, v in decision.hashes.items()},
             "index_ok": decision.index_ok,
+            "affinity": decision.affinity,
             "decision_ms": decision.elapsed_s * 1e3,
             "candidates": out,
         }

@@ -57,6 +57,16 @@ class Instance:
     def url(self) -> str:
         return self.spec.url
 
+    @property
+    def http_url(self) -> str:
+        return self.spec.http_url
+
+    @property
+    def route_headers(self) -> dict[str, str]:
+        """Headers that send a request to this target: vLLM's rank choice for a DP rank."""
+        rank = self.spec.dp_rank
+        return {} if rank is None else {"x-data-parallel-rank": str(rank)}
+
 
 OnChange = Callable[[Instance, bool], Awaitable[None]]
 
@@ -85,6 +95,10 @@ class InstanceRegistry:
         self.on_change = on_change
         self.on_block_size = on_block_size
         self._instances: dict[str, Instance] = {}
+        # Called after each probe round (admission re-checks its thresholds).
+        self.on_probed: Callable[[], None] | None = None
+        # Called after each good probe of one instance (its served models are re-read).
+        self.on_up: Callable[[Instance], Awaitable[None]] | None = None
         self._task: asyncio.Task[None] | None = None
 
     # ---- membership -------------------------------------------------------------------
@@ -129,14 +143,18 @@ class InstanceRegistry:
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(i) for i in self.all()))
+        if self.on_probed is not None:
+            self.on_probed()
 
     async def probe(self, inst: Instance) -> bool:
         ok = False
         try:
-            r = await self._client.get(f"{inst.url}/health", timeout=self.timeout_s)
+            r = await self._client.get(f"{inst.http_url}/health", timeout=self.timeout_s)
             ok = r.status_code == 200
             if ok and self.read_metrics:
                 await self._read_waiting(inst)
+            if ok and self.on_up is not None:
+                await self.on_up(inst)
         except httpx.HTTPError:
             ok = False
         await self.report(inst, ok)
@@ -163,20 +181,24 @@ class InstanceRegistry:
 
     async def _read_waiting(self, inst: Instance) -> None:
         try:
-            r = await self._client.get(f"{inst.url}/metrics", timeout=self.timeout_s)
+            r = await self._client.get(f"{inst.http_url}/metrics", timeout=self.timeout_s)
         except httpx.HTTPError:
             return
         if r.status_code != 200:
             self.read_metrics = self.read_metrics and r.status_code != 404
             return
-        m = _WAITING.search(r.content)
+        body = r.content
+        if inst.spec.dp_rank is not None:  # a rank's own series: vLLM labels them engine="R"
+            label = f'engine="{inst.spec.dp_rank}"'.encode()
+            body = b"\n".join(line for line in body.split(b"\n") if label in line)
+        m = _WAITING.search(body)
         if m:
             inst.engine_waiting = int(float(m.group(1)))
-        info = _CACHE_INFO.search(r.content)
+        info = _CACHE_INFO.search(body)
         found = [p.search(info.group(1)) for p in _BLOCK_SIZE] if info else []
         b = next((m for m in found if m), None)
         if b and int(b.group(1)) != inst.engine_block_size:
             inst.engine_block_size = int(b.group(1))
             if self.on_block_size is not None:
                 self.on_block_size(inst.url, inst.engine_block_size)
-        inst.engine_stats = parse_engine_metrics(r.content)
+        inst.engine_stats = parse_engine_metrics(body)

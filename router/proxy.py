@@ -146,7 +146,11 @@ class Forwarder:
         resp: httpx.Response | None = None
         committed = False
         try:
-            req = self.client.build_request("POST", url + path, content=raw_body, headers=headers)
+            if inst.route_headers:  # a data-parallel rank: vLLM's X-data-parallel-rank
+                headers = {**headers, **inst.route_headers}
+            req = self.client.build_request(
+                "POST", inst.http_url + path, content=raw_body, headers=headers
+            )
             resp = await self.client.send(req, stream=True)
             if resp.status_code >= 500:
                 self.metrics.requests.labels(url, "upstream_5xx").inc()

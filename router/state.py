@@ -9,13 +9,16 @@ from typing import Any
 
 import httpx
 
-from router.config import InstanceSpec, RouterSettings, parse_instance
-from router.decide import Router
+from router.admission import AdmissionConfig, AdmissionController
+from router.affinity import AffinityConfig, SessionAffinity
+from router.config import InstanceSpec, RouterSettings, parse_instance, rank_specs
+from router.decide import RouteDecision, Router
 from router.index import open_index
 from router.ingest import IngestManager
 from router.instances import Instance, InstanceRegistry
 from router.layout import InstanceLayout, LayoutRegistry
 from router.metrics import RouterMetrics
+from router.models import ModelRegistry
 from router.policy import CostRates, make_policy
 from router.proxy import Forwarder
 from router.score import Scorer
@@ -80,6 +83,16 @@ class RouterState:
         self.scorer = Scorer(self.index, self.layouts, full_only=s.policy == "prefix_full_only")
         self.speculative = SpeculativeResidency(s.speculative_ttl_s)
         self.ingest.on_applied = self.speculative.flush
+        self.affinity = SessionAffinity(
+            AffinityConfig(
+                header=s.session_header,
+                user_field=s.session_user_field,
+                max_extra_ttft_s=s.session_max_extra_ttft_s,
+                max_sessions=s.session_max_sessions,
+                ttl_s=s.session_ttl_s,
+            ),
+            self.metrics.registry,
+        )
         self.router = Router(
             registry=self.registry,
             scorer=self.scorer,
@@ -91,17 +104,41 @@ class RouterState:
             block_size=s.block_size,
             hash_algo=s.hash_algo,
             seed=s.seed,
+            affinity=self.affinity if self.affinity.config.enabled else None,
         )
+        self.admission = AdmissionController(
+            AdmissionConfig(
+                max_waiting=s.admission_max_waiting,
+                max_kv_usage=s.admission_max_kv_usage,
+                max_inflight=s.admission_max_inflight,
+                queue_size=s.admission_queue_size,
+                queue_timeout_s=s.admission_timeout_s,
+                retry_after_s=s.admission_retry_after_s,
+            ),
+            self.metrics.registry,
+        )
+        self.registry.on_probed = self.admission.notify
+        self.models = ModelRegistry(self.client, s.health_timeout_s)
+        self.registry.on_up = self.models.refresh
         self.forwarder = Forwarder(
             self.client,
             self.registry,
             self.policy,
             self.metrics,
             max_retries=s.max_retries,
-            on_routed=self.router.routed,
-            on_done=self.router.settled,
+            on_routed=self._routed,
+            on_done=self._done,
         )
         self._layout_task: asyncio.Task[None] | None = None
+
+    def _routed(self, decision: RouteDecision, url: str) -> None:
+        self.router.routed(decision, url)
+        if decision.ticket is not None:  # now counted in the instance's in-flight
+            decision.ticket.release()
+
+    def _done(self, decision: RouteDecision, url: str) -> None:
+        self.router.settled(decision, url)
+        self.admission.notify()  # a slot may have freed
 
     async def _health_changed(self, inst: Instance, up: bool) -> None:
         """A down instance's cache is unknown -- it may come back restarted, empty: drop
@@ -114,7 +151,7 @@ class RouterState:
 
     def _any_healthy(self) -> str | None:
         healthy = self.registry.healthy()
-        return healthy[0].url if healthy else None
+        return healthy[0].http_url if healthy else None
 
     async def start(self) -> None:
         for text in self.settings.instances:
@@ -139,7 +176,14 @@ class RouterState:
         await self.client.aclose()
 
     async def add_instance(self, spec: InstanceSpec, *, probe: bool = True) -> Instance:
+        """Register an instance (``dp=N``: one target per data-parallel rank, the first
+        returned)."""
+        targets = [await self._add_target(t, probe=probe) for t in rank_specs(spec)]
+        return targets[0]
+
+    async def _add_target(self, spec: InstanceSpec, *, probe: bool) -> Instance:
         inst = self.registry.add(spec)
+        self.models.declare(spec.url, spec.models)
         if spec.events:
             # With a replay endpoint, start from the publisher's buffer (seq 0): a router
             # started after its engines then knows what they already hold.
@@ -156,16 +200,24 @@ class RouterState:
         return inst
 
     async def remove_instance(self, url: str) -> bool:
+        """Remove a target, or every rank target of the instance at ``url``."""
+        url = url.rstrip("/")
+        names = [i.url for i in self.registry.all() if url in (i.url, i.http_url)]
+        for name in names:
+            await self._remove_target(name)
+        return bool(names)
+
+    async def _remove_target(self, url: str) -> None:
         inst = self.registry.remove(url)
         if inst is None:
-            return False
+            return
         if inst.spec.events:
             await self.ingest.remove_instance(inst.url)
         else:
             with contextlib.suppress(Exception):
                 await self.index.clear(inst.url)
         self.speculative.forget(inst.url)
-        return True
+        self.models.forget(inst.url)
 
     async def _share_layouts(self) -> None:
         """Readers of a shared index learn layouts from the ingesting router."""
@@ -177,6 +229,7 @@ class RouterState:
     def describe(self, inst: Instance) -> dict[str, Any]:
         return {
             "url": inst.url,
+            "data_parallel_rank": inst.spec.dp_rank,
             "events": inst.spec.events,
             "replay": inst.spec.replay,
             "healthy": inst.healthy,
@@ -184,5 +237,6 @@ class RouterState:
             "running_requests": inst.running_requests,
             "engine_waiting": inst.engine_waiting,
             "served": inst.served,
+            "models": self.models.describe(inst.url),
             "last_seq": self.ingest.last_seq(inst.url) if inst.spec.events else None,
         }

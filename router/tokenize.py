@@ -33,13 +33,18 @@ class RoutingTokenizer:
         self._client = client
         self._pick = pick_instance
 
-    async def prompt_ids(self, body: dict[str, Any], kind: str) -> list[int] | None:
+    async def prompt_ids(
+        self, body: dict[str, Any], kind: str, instance: str | None = None
+    ) -> list[int] | None:
+        """``instance``: where ``remote`` tokenizes (one serving the request's model, whose
+        tokenizer it is); default any healthy one."""
+        extra = {"model": body["model"]} if isinstance(body.get("model"), str) else {}
         if kind == "chat":
             messages = body.get("messages")
             if not isinstance(messages, list):
                 return None
             if self.remote:
-                return await self._remote({"messages": messages})
+                return await self._remote({"messages": messages, **extra}, instance)
             try:
                 return self._encode(apply_chat_template(messages))
             except (AttributeError, TypeError):
@@ -52,15 +57,15 @@ class RoutingTokenizer:
         if not isinstance(prompt, str):
             return None
         if self.remote:
-            return await self._remote({"prompt": prompt})
+            return await self._remote({"prompt": prompt, **extra}, instance)
         return self._encode(prompt)
 
     def _encode(self, text: str) -> list[int]:
         assert self._local is not None
         return self._local.encode(text)
 
-    async def _remote(self, payload: dict[str, Any]) -> list[int] | None:
-        url = self._pick() if self._pick else None
+    async def _remote(self, payload: dict[str, Any], url: str | None) -> list[int] | None:
+        url = url or (self._pick() if self._pick else None)
         if url is None or self._client is None:
             return None
         try:

@@ -111,6 +111,11 @@ class Proc:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    @property
+    def replay_port(self) -> int | None:
+        """An engine's replay port (restart it with the same one to keep its endpoints)."""
+        return int(self.replay.rsplit(":", 1)[1]) if self.replay else None
+
     def instance_arg(self) -> str:
         return f"{self.url}={self.events},replay={self.replay}"
 

@@ -9,11 +9,12 @@ benchmarks can attribute load even behind routers that add no header.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from engine_adapter.sim.core import EngineCore, RequestOutput
+from engine_adapter.sim.metrics import merged_registry
 from engine_adapter.sim.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -75,8 +77,39 @@ def _usage(out: RequestOutput) -> dict[str, Any]:
 
 
 def create_app(
-    core: EngineCore, tokenizer: Tokenizer, model_name: str, engine_name: str, max_model_len: int
+    core: EngineCore | Sequence[EngineCore],
+    tokenizer: Tokenizer,
+    model_name: str,
+    engine_name: str,
+    max_model_len: int,
+    lora_modules: dict[str, str] | None = None,
 ) -> FastAPI:
+    """``lora_modules``: adapter name -> path, served as vLLM's ``--lora-modules`` are (no
+    weights: an adapter request is keyed by ``("lora", name, path)`` on every block)."""
+    loras = dict(lora_modules or {})
+    # Data-parallel ranks, in rank order: a client picks one with vLLM's
+    # ``X-data-parallel-rank`` header; otherwise the least loaded takes it.
+    cores = list(core) if isinstance(core, Sequence) else [core]
+    registry = merged_registry([c.registry for c in cores])
+    turn = itertools.count()
+
+    def _rank(request: Request) -> EngineCore | JSONResponse:
+        raw = request.headers.get("x-data-parallel-rank")
+        try:
+            rank = int(raw) if raw is not None else None
+        except ValueError:
+            rank = None  # vLLM ignores a header it cannot parse
+        if rank is None:
+            start = next(turn)
+            n = len(cores)
+            return min(
+                (cores[(start + i) % n] for i in range(n)),
+                key=lambda c: len(c.waiting) + len(c.running),
+            )
+        if not 0 <= rank < len(cores):
+            return _error(f"data_parallel_rank {rank} is out of range [0, {len(cores)}).", 400)
+        return cores[rank]
+
     app = FastAPI(title="kvroute simulated engine", docs_url=None, redoc_url=None)
     fingerprint = f"kvroute-engine:{engine_name}"
 
@@ -88,8 +121,10 @@ def create_app(
         model: str | None, prompt_ids: list[int], max_tokens: int | None
     ) -> JSONResponse | int:
         """vLLM's request checks (its messages); the output length to run, or a 4xx."""
-        if model is not None and model != model_name:
-            return _error(f"The model `{model}` does not exist.", 404, "NotFoundError")
+        if model and model != model_name and model not in loras:
+            body = error_body(f"The model `{model}` does not exist.", 404, "NotFoundError")
+            body["error"]["param"] = "model"  # as vLLM's check_model
+            return JSONResponse(body, status_code=404)
         if not prompt_ids:
             return _error("prompt must not be empty", 400)
         n = len(prompt_ids)
@@ -122,14 +157,18 @@ def create_app(
         include_usage: bool,
         forced_token: int | None = None,
         cache_salt: str | None = None,
+        model: str | None = None,
+        core: EngineCore = cores[0],
     ) -> Response:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
+        lora = (model, loras[model]) if model in loras else None
+        served = model if lora is not None else model_name  # vLLM names the adapter
         outputs = core.submit(
-            rid, prompt_ids, max_tokens, forced_token=forced_token, cache_salt=cache_salt
+            rid, prompt_ids, max_tokens, forced_token=forced_token, cache_salt=cache_salt, lora=lora
         )
         if stream:
-            gen = _stream(kind, rid, created, outputs, include_usage)
+            gen = _stream(kind, rid, created, outputs, include_usage, served)
             return StreamingResponse(gen, media_type="text/event-stream")
         token_ids: list[int] = []
         last: RequestOutput | None = None
@@ -160,7 +199,7 @@ def create_app(
                 "id": rid,
                 "object": "chat.completion" if kind == "chat" else "text_completion",
                 "created": created,
-                "model": model_name,
+                "model": served,
                 "system_fingerprint": fingerprint,
                 "choices": [choice],
                 "usage": _usage(last),
@@ -174,9 +213,10 @@ def create_app(
         created: int,
         outputs: AsyncIterator[RequestOutput],
         include_usage: bool,
+        served: str,
     ) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        base = {"id": rid, "object": obj, "created": created, "model": model_name}
+        base = {"id": rid, "object": obj, "created": created, "model": served}
         base["system_fingerprint"] = fingerprint
 
         def chunk(text: str | None, finish: str | None, first: bool = False) -> bytes:
@@ -227,9 +267,19 @@ def create_app(
         out = _check(req.model, ids, req.output_len)
         if isinstance(out, JSONResponse):
             return out
+        if isinstance(rank := _rank(request), JSONResponse):
+            return rank
         usage = bool(req.stream_options and req.stream_options.include_usage)
         return await _run(
-            "completion", ids, out, req.stream, usage, req.forced_token, req.cache_salt
+            "completion",
+            ids,
+            out,
+            req.stream,
+            usage,
+            req.forced_token,
+            req.cache_salt,
+            req.model,
+            rank,
         )
 
     @app.post("/v1/chat/completions")
@@ -242,8 +292,12 @@ def create_app(
         out = _check(req.model, ids, req.output_len)
         if isinstance(out, JSONResponse):
             return out
+        if isinstance(rank := _rank(request), JSONResponse):
+            return rank
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _run("chat", ids, out, req.stream, usage, req.forced_token, req.cache_salt)
+        return await _run(
+            "chat", ids, out, req.stream, usage, req.forced_token, req.cache_salt, req.model, rank
+        )
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -273,17 +327,29 @@ def create_app(
                     "owned_by": "kvroute",
                     "root": model_name,
                     "max_model_len": max_model_len,
-                }
+                },
+                *(
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": int(time.time()),
+                        "owned_by": "kvroute",
+                        "root": path,
+                        "parent": model_name,
+                    }
+                    for name, path in loras.items()
+                ),
             ],
         }
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if core.healthy else 503)
+        return Response(status_code=200 if all(c.healthy for c in cores) else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        core.refresh_metrics()
-        return Response(generate_latest(core.registry), media_type=CONTENT_TYPE_LATEST)
+        for c in cores:
+            c.refresh_metrics()
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

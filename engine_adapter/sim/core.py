@@ -92,13 +92,14 @@ class EngineCore:
         publisher: EventPublisher | None = None,
         filler_token_ids: list[int] | None = None,
         model_name: str = "kvroute-sim",
+        data_parallel_rank: int = 0,
     ) -> None:
         self.kv = kv
         self.timing = timing or TimingModel()
         self.config = scheduler or SchedulerConfig()
         self.publisher = publisher or NullEventPublisher()
         self.filler = filler_token_ids or list(FILLER_TEXT.encode())
-        self.metrics = EngineMetrics(model_name, kv.block_size)
+        self.metrics = EngineMetrics(model_name, kv.block_size, engine=data_parallel_rank)
         self.registry = self.metrics.registry
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
@@ -143,6 +144,7 @@ class EngineCore:
         *,
         forced_token: int | None = None,
         cache_salt: str | None = None,
+        lora: tuple[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs until it finishes.
 
@@ -150,7 +152,14 @@ class EngineCore:
         """
         if self._stopping:
             raise RuntimeError("engine is shutting down")
-        req = self.kv.new_request(request_id, prompt_token_ids, cache_salt=cache_salt)
+        lora_name, lora_path = lora if lora is not None else (None, None)
+        req = self.kv.new_request(
+            request_id,
+            prompt_token_ids,
+            lora_name=lora_name,
+            lora_path=lora_path,
+            cache_salt=cache_salt,
+        )
         seq = _Seq(req, max_tokens, forced_token)
         self.waiting.append(seq)
         self._wake.set()

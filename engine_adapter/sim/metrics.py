@@ -2,15 +2,45 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+
+
+def merged_registry(registries: Sequence[CollectorRegistry]) -> CollectorRegistry:
+    """One exposition for several ranks' registries: each family once, with every rank's
+    samples (told apart by their ``engine`` label), as one vLLM server exports them."""
+    if len(registries) == 1:
+        return registries[0]
+
+    class _Merged:
+        def collect(self) -> Iterator[Metric]:
+            families: dict[str, Metric] = {}
+            for reg in registries:
+                for m in reg.collect():
+                    if m.name not in families:
+                        families[m.name] = Metric(m.name, m.documentation, m.type, m.unit)
+                    families[m.name].samples.extend(m.samples)
+            yield from families.values()
+
+    out = CollectorRegistry(auto_describe=False)
+    out.register(_Merged())
+    return out
 
 
 class EngineMetrics:
     """One registry per engine (several engines can live in one test process)."""
 
-    def __init__(self, model_name: str, block_size: int | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        block_size: int | None = None,
+        engine: int = 0,
+    ) -> None:
+        # vLLM labels each data-parallel rank's series with ``engine`` (its index).
         self.registry = CollectorRegistry()
-        r, labels = self.registry, {"model_name": model_name}
+        r, labels = self.registry, {"model_name": model_name, "engine": str(engine)}
         if block_size is not None:
             # vLLM's info gauge: routers read the block size the engine really uses here
             # before its first KV event arrives.
@@ -19,7 +49,7 @@ class EngineMetrics:
                 "Information of the LLMEngine CacheConfig",
                 ["block_size", "enable_prefix_caching", "engine"],
                 registry=r,
-            ).labels(str(block_size), "True", "0").set(1)
+            ).labels(str(block_size), "True", str(engine)).set(1)
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, list(labels), registry=r).labels(**labels)

@@ -61,7 +61,9 @@ class EngineSettings:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     timing: TimingModel = field(default_factory=TimingModel)
-    data_parallel_rank: int = 0
+    data_parallel_rank: int = 0  # the first rank this server runs
+    data_parallel_size: int = 1  # ranks this server runs (each its own core and events)
+    lora_modules: dict[str, str] = field(default_factory=dict)  # name -> path (no weights)
 
 
 def blocks_for(profile: ModelProfile, max_model_len: int, max_num_batched_tokens: int) -> int:
@@ -124,40 +126,48 @@ def build_engine(settings: EngineSettings) -> tuple[FastAPI, EngineCore]:
             policy=settings.offload_policy,
             self_describing=settings.self_describing_cpu_events,
         )
-    kv = KVCacheManager(
-        profile,
-        settings.gpu_blocks,
-        offload=offload,
-        hash_algo=settings.hash_algo,
-        hash_seed=settings.seed,
-        enable_kv_cache_events=settings.kv_events is not None
-        and settings.kv_events.enable_kv_cache_events,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-    )
-    publisher = create_publisher(
-        settings.kv_events,
-        settings.data_parallel_rank,
-        form="array" if settings.legacy_array_events else "map",
-    )
     tokenizer = load_tokenizer(settings.tokenizer)
     filler = tokenizer.encode(FILLER_TEXT)
-    core = EngineCore(
-        kv,
-        timing=settings.timing,
-        scheduler=SchedulerConfig(
-            settings.max_num_seqs, settings.max_num_batched_tokens, max_model_len
-        ),
-        publisher=publisher,
-        filler_token_ids=filler,
-        model_name=settings.model,
-    )
+    events_on = settings.kv_events is not None and settings.kv_events.enable_kv_cache_events
+    cores = []
+    # --data-parallel-size N: N engine cores behind one server, rank r publishing on the
+    # endpoints offset by r (vLLM's ``offset_endpoint_port``), batches tagged with r.
+    first = settings.data_parallel_rank
+    for rank in range(first, first + settings.data_parallel_size):
+        kv = KVCacheManager(
+            profile,
+            settings.gpu_blocks,
+            offload=offload,
+            hash_algo=settings.hash_algo,
+            hash_seed=settings.seed,
+            enable_kv_cache_events=events_on,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+        )
+        publisher = create_publisher(
+            settings.kv_events, rank, form="array" if settings.legacy_array_events else "map"
+        )
+        cores.append(
+            EngineCore(
+                kv,
+                timing=settings.timing,
+                scheduler=SchedulerConfig(
+                    settings.max_num_seqs, settings.max_num_batched_tokens, max_model_len
+                ),
+                publisher=publisher,
+                filler_token_ids=filler,
+                model_name=settings.model,
+                data_parallel_rank=rank,
+            )
+        )
+    core = cores[0]
     name = settings.name or f"{settings.host}:{settings.port}"
-    app = create_app(core, tokenizer, settings.model, name, max_model_len)
+    app = create_app(cores, tokenizer, settings.model, name, max_model_len, settings.lora_modules)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await core.start()
+        for c in cores:
+            await c.start()
         logger.info(
             "engine %s: model %s, profile %s, %d GPU blocks, %d CPU blocks, events %s",
             name,
@@ -165,12 +175,13 @@ def build_engine(settings: EngineSettings) -> tuple[FastAPI, EngineCore]:
             settings.profile,
             settings.gpu_blocks,
             settings.cpu_blocks,
-            getattr(publisher, "endpoint", "off"),
+            [getattr(c.publisher, "endpoint", "off") for c in cores],
         )
         try:
             yield
         finally:
-            await core.stop()
+            for c in cores:
+                await c.stop()
 
     app.router.lifespan_context = lifespan
     return app, core

@@ -58,3 +58,34 @@ def test_legacy_form_still_parses():
         "tcp://127.0.0.1:5558",
         None,
     )
+
+
+def test_declared_models_are_options_with_or_without_an_events_endpoint():
+    spec = parse_instance("http://h:8000=tcp://h:5557,model=llama,model=llama-sql")
+    assert spec.events == "tcp://h:5557" and spec.models == ("llama", "llama-sql")
+    bare = parse_instance("http://h:8000=,model=qwen")
+    assert bare.events is None and bare.models == ("qwen",)
+    assert parse_instance("http://h:8000").models == ()
+
+
+def test_dp_ranks_follow_vllms_port_offsets_and_need_events_to_be_told_apart():
+    from router.config import rank_specs
+
+    spec = parse_instance("http://h:8000=tcp://h:5557,replay=tcp://h:5600,dp=3,model=m")
+    ranks = rank_specs(spec)
+    assert [r.url for r in ranks] == [f"http://h:8000#dp{i}" for i in range(3)]
+    assert [r.events for r in ranks] == ["tcp://h:5557", "tcp://h:5558", "tcp://h:5559"]
+    assert [r.replay for r in ranks] == ["tcp://h:5600", "tcp://h:5601", "tcp://h:5602"]
+    assert {r.http_url for r in ranks} == {"http://h:8000"} and ranks[2].models == ("m",)
+    assert [r.dp_rank for r in ranks] == [0, 1, 2]
+    # No events: one target, vLLM balances its ranks.
+    assert rank_specs(parse_instance("http://h:8000=,dp=2")) == [
+        parse_instance("http://h:8000=,dp=2")
+    ]
+    # vLLM cannot offset an ipc endpoint per rank; neither can we.
+    with pytest.raises(ValueError, match="offset"):
+        parse_instance("http://h:8000=ipc:///tmp/kv,dp=2")
+    with pytest.raises(ValueError, match="dp must be"):
+        parse_instance("http://h:8000=tcp://h:1,dp=0")
+    cfg = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://*:7000"})
+    assert rank_specs(parse_instance(f"http://h:8000={cfg},dp=2"))[1].events == "tcp://h:7001"

@@ -1,0 +1,104 @@
+"""Data-parallel ranks: one engine server running two ranks, each its own routing target
+(its own event stream at vLLM's port offset, its own cache), chosen with vLLM's
+``X-data-parallel-rank`` header."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+
+import httpx
+from kvtest import KVROUTE, REPO, EngineProc, _wait_up, start_router
+
+
+def _port_pair() -> int:
+    """A loopback port P with P+1 free too (rank r uses P+r, as vLLM offsets)."""
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                with socket.socket() as b:
+                    b.bind(("127.0.0.1", port + 1))
+                    return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port pair")
+
+
+def _dp_engine(tmp_path, size: int) -> tuple[EngineProc, dict]:
+    port, events, replay = _port_pair(), _port_pair(), _port_pair()
+    # A concrete address: the engine's ranks connect to P+r, the router binds there.
+    cfg = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"tcp://127.0.0.1:{events}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+    }
+    log = tmp_path / f"engine-dp-{port}.log"
+    cmd = [
+        *KVROUTE, "engine", "--port", str(port), "--kv-events-config", json.dumps(cfg),
+        "--profile", "full", "--time-scale", "50", "--data-parallel-size", str(size),
+    ]  # fmt: skip
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+    eng = EngineProc(proc, port, events, replay, log, cfg["endpoint"])
+    _wait_up(eng, "engine")
+    return eng, cfg
+
+
+def _debug(router, body: dict) -> dict:
+    r = httpx.post(f"{router.url}/debug/route", json=body, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_each_rank_is_a_target_and_requests_reach_the_rank_that_holds_their_prefix(tmp_path):
+    eng, cfg = _dp_engine(tmp_path, 2)
+    try:
+        # The engine: per-rank series, vLLM's range check on the header.
+        metrics = httpx.get(f"{eng.url}/metrics").text
+        assert 'engine="0"' in metrics and 'engine="1"' in metrics
+        bad = httpx.post(
+            f"{eng.url}/v1/completions",
+            json={"prompt": "x"},
+            headers={"X-data-parallel-rank": "2"},
+        )
+        assert bad.status_code == 400
+        assert bad.json()["error"]["message"] == "data_parallel_rank 2 is out of range [0, 2)."
+        router = start_router(tmp_path, [], "--instance", f"{eng.url}={json.dumps(cfg)},dp=2")
+        try:
+            r0, r1 = f"{eng.url}#dp0", f"{eng.url}#dp1"
+            prompt = "a prefix only rank one has computed, not rank zero. " * 5
+            r = httpx.post(
+                f"{eng.url}/v1/completions",
+                json={"prompt": prompt},
+                headers={"X-data-parallel-rank": "1"},
+                timeout=30,
+            )
+            assert r.status_code == 200
+            deadline = time.monotonic() + 15
+            while True:
+                cands = {c["instance"]: c for c in _debug(router, {"prompt": prompt})["candidates"]}
+                if cands[r1]["gpu_tokens"] > 0:
+                    break
+                assert time.monotonic() < deadline, "rank 1's events never arrived"
+                time.sleep(0.1)
+            assert set(cands) == {r0, r1} and cands[r0]["gpu_tokens"] == 0
+            # Through the router: sent to rank 1 with the header, and rank 1 reuses it.
+            r = httpx.post(f"{router.url}/v1/completions", json={"prompt": prompt}, timeout=30)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvroute-instance"] == r1
+            reported = r.json()["usage"]["kv_hit"]["gpu_tokens"]
+            assert reported > 0 and int(r.headers["x-kvroute-predicted-hit"]) == reported
+            listed = httpx.get(f"{router.url}/v1/models").json()["data"]
+            assert [m["id"] for m in listed] == ["kvroute-sim"]
+        finally:
+            router.stop()
+    finally:
+        eng.stop()
