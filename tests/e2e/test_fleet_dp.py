@@ -5,13 +5,13 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
 import time
 
 import httpx
-from kvtest import KVROUTE, REPO, EngineProc, _wait_up, start_router
+from kvtest import start_router
+
+from stack.procs import KVROUTE, Proc
 
 
 def _port_pair() -> int:
@@ -29,7 +29,7 @@ def _port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
-def _dp_engine(tmp_path, size: int) -> tuple[EngineProc, dict]:
+def _dp_engine(tmp_path, size: int) -> tuple[Proc, dict]:
     port, events, replay = _port_pair(), _port_pair(), _port_pair()
     # A concrete address: the engine's ranks connect to P+r, the router binds there.
     cfg = {
@@ -37,19 +37,13 @@ def _dp_engine(tmp_path, size: int) -> tuple[EngineProc, dict]:
         "endpoint": f"tcp://127.0.0.1:{events}",
         "replay_endpoint": f"tcp://127.0.0.1:{replay}",
     }
-    log = tmp_path / f"engine-dp-{port}.log"
     cmd = [
         *KVROUTE, "engine", "--port", str(port), "--kv-events-config", json.dumps(cfg),
         "--profile", "full", "--time-scale", "50", "--data-parallel-size", str(size),
     ]  # fmt: skip
-    with log.open("wb") as fh:
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
-    eng = EngineProc(proc, port, events, replay, log, cfg["endpoint"])
-    _wait_up(eng, "engine")
-    return eng, cfg
+    eng = Proc(f"engine-dp-{port}", cmd, port, tmp_path / f"engine-dp-{port}.log")
+    eng.events, eng.replay = cfg["endpoint"], cfg["replay_endpoint"]
+    return eng.launch().wait_ready(), cfg
 
 
 def _debug(router, body: dict) -> dict:
