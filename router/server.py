@@ -15,10 +15,10 @@ from router.app import create_app
 from router.config import RouterSettings
 from router.state import RouterState
 
-__all__ = ["build_router", "serve"]
+__all__ = ["build_app", "serve"]
 
 
-def build_router(settings: RouterSettings) -> tuple[FastAPI, RouterState]:
+def build_app(settings: RouterSettings) -> tuple[FastAPI, RouterState]:
     state = RouterState(settings)
     app = create_app(state)
 
@@ -36,7 +36,7 @@ def build_router(settings: RouterSettings) -> tuple[FastAPI, RouterState]:
 
 def serve(settings: RouterSettings) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per forward is noise
-    app, _ = build_router(settings)
+    app, _ = build_app(settings)
     config = uvicorn.Config(
         app,
         host=settings.host,

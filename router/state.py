@@ -9,17 +9,14 @@ from typing import Any
 
 import httpx
 
+from router.build import build_router, instrument
 from router.config import InstanceSpec, RouterSettings, parse_instance
-from router.decide import Router
 from router.index import open_index
 from router.ingest import IngestManager
 from router.instances import Instance, InstanceRegistry
 from router.layout import InstanceLayout, LayoutRegistry
 from router.metrics import RouterMetrics
-from router.policy import CostRates, make_policy
-from router.proxy import Forwarder
-from router.score import Scorer
-from router.speculative import SpeculativeResidency
+from router.proxy import Forwarder, open_session
 from router.tokenize import RoutingTokenizer
 
 __all__ = ["RouterState", "parse_layout"]
@@ -59,7 +56,7 @@ class RouterState:
             redis_opts = {"model": s.model, "hash_algo": s.hash_algo, "hash_seed": s.seed}
             if s.redis_block_ttl_s:
                 redis_opts["block_ttl_s"] = s.redis_block_ttl_s
-        self.index = open_index(s.index, **redis_opts)
+        self.index = instrument(open_index(s.index, **redis_opts), self.metrics)
         self.layouts = LayoutRegistry(default=parse_layout(s.default_layout, s.block_size))
         self.ingest = IngestManager(self.index, self.layouts, registry=self.metrics.registry)
         self.registry = InstanceRegistry(
@@ -72,28 +69,19 @@ class RouterState:
             on_change=self._health_changed,
             on_block_size=self.layouts.hint_block_size,
         )
-        self.policy = make_policy(
-            s.policy,
-            temperature=s.temperature,
-            rates=CostRates(s.prefill_s_per_token, s.load_s_per_token, s.request_overhead_s),
-        )
-        self.scorer = Scorer(self.index, self.layouts, full_only=s.policy == "prefix_full_only")
-        self.speculative = SpeculativeResidency(s.speculative_ttl_s)
-        self.ingest.on_applied = self.speculative.flush
-        self.router = Router(
-            registry=self.registry,
-            scorer=self.scorer,
+        self.router = build_router(
+            s,
             index=self.index,
-            policy=self.policy,
-            tokenizer=RoutingTokenizer(s.tokenizer, self.client, self._any_healthy),
-            speculative=self.speculative,
+            layouts=self.layouts,
+            registry=self.registry,
             metrics=self.metrics,
-            block_size=s.block_size,
-            hash_algo=s.hash_algo,
-            seed=s.seed,
+            tokenizer=RoutingTokenizer(s.tokenizer, self.client, self._any_healthy),
         )
+        self.policy = self.router.policy
+        self.scorer = self.router.scorer
+        self.speculative = self.router.speculative
+        self.ingest.on_applied = self.speculative.flush
         self.forwarder = Forwarder(
-            self.client,
             self.registry,
             self.policy,
             self.metrics,
@@ -117,6 +105,8 @@ class RouterState:
         return healthy[0].url if healthy else None
 
     async def start(self) -> None:
+        s = self.settings
+        self.forwarder.session = open_session(s.request_timeout_s, s.connect_timeout_s)
         for text in self.settings.instances:
             await self.add_instance(parse_instance(text), probe=False)
         await self.registry.start()
@@ -137,6 +127,8 @@ class RouterState:
         await self.ingest.close()
         await self.index.close()
         await self.client.aclose()
+        if self.forwarder.session is not None:
+            await self.forwarder.session.close()
 
     async def add_instance(self, spec: InstanceSpec, *, probe: bool = True) -> Instance:
         inst = self.registry.add(spec)
