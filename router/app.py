@@ -40,12 +40,12 @@ def _authorized(request: Request, token: str) -> bool:
     )
 
 
-def create_app(state: RouterState) -> FastAPI:
+def create_app(state: RouterState) -> ProxyEndpoints:
+    """The ASGI app: the proxy endpoints in front (``router.fastpath``), FastAPI behind
+    (``.app``) for everything else."""
     app = FastAPI(title="kvroute router", docs_url=None, redoc_url=None)
     s = state.settings
     dashboard = mount_dashboard(app, state) if s.dashboard else None
-
-    app.add_middleware(ProxyEndpoints, state=state, dashboard=dashboard)
 
     @app.post("/debug/route")
     async def debug_route(request: Request) -> Response:
@@ -136,4 +136,4 @@ def create_app(state: RouterState) -> FastAPI:
             return error_response(f"no instance {url!r}", 404, "NotFound")
         return JSONResponse({"removed": url.rstrip("/")})
 
-    return app
+    return ProxyEndpoints(app, state, dashboard)

@@ -13,12 +13,13 @@ from fastapi import FastAPI
 
 from router.app import create_app
 from router.config import RouterSettings
+from router.fastpath import ProxyEndpoints
 from router.state import RouterState
 
 __all__ = ["build_app", "serve"]
 
 
-def build_app(settings: RouterSettings) -> tuple[FastAPI, RouterState]:
+def build_app(settings: RouterSettings) -> tuple[ProxyEndpoints, RouterState]:
     state = RouterState(settings)
     app = create_app(state)
 
@@ -30,7 +31,7 @@ def build_app(settings: RouterSettings) -> tuple[FastAPI, RouterState]:
         finally:
             await state.stop()
 
-    app.router.lifespan_context = lifespan
+    app.app.router.lifespan_context = lifespan
     return app, state
 
 
@@ -43,6 +44,7 @@ def serve(settings: RouterSettings) -> None:
         port=settings.port,
         log_level=settings.log_level,
         access_log=False,
+        proxy_headers=False,  # never trust a client's X-Forwarded-*; and one layer less
         timeout_graceful_shutdown=10,
     )
     for sig in (signal.SIGTERM, signal.SIGINT):  # exit 0 after uvicorn's graceful stop
