@@ -76,8 +76,19 @@ def resolve_none_hash_seed(algo: str, seed: str | None = None) -> str:
 
 
 def none_hash(algo: str, seed: str | None = None) -> bytes:
-    """NONE_HASH: the parent digest of a request's first block (hash of the seed string)."""
-    return get_hash_fn(algo)(resolve_none_hash_seed(algo, seed))
+    """NONE_HASH: the parent digest of a request's first block (hash of the seed string).
+    Memoised per (algo, resolved seed): the router asks once per request."""
+    resolved = resolve_none_hash_seed(algo, seed)
+    key = (algo, resolved)
+    digest = _none_hashes.get(key)
+    if digest is None:
+        digest = get_hash_fn(algo)(resolved)
+        if len(_none_hashes) < 64:  # random seeds (xxhash, no seed) would grow it forever
+            _none_hashes[key] = digest
+    return digest
+
+
+_none_hashes: dict[tuple[str, str], bytes] = {}
 
 
 def wire_hash(digest: bytes) -> int:
