@@ -16,8 +16,9 @@ from router.ingest import IngestManager
 from router.instances import Instance, InstanceRegistry
 from router.layout import InstanceLayout, LayoutRegistry
 from router.metrics import RouterMetrics
-from router.proxy import Forwarder, open_session
+from router.proxy import Forwarder
 from router.tokenize import RoutingTokenizer
+from router.upstream import UpstreamPool
 
 __all__ = ["RouterState", "parse_layout"]
 
@@ -89,6 +90,9 @@ class RouterState:
             on_routed=self.router.routed,
             on_done=self.router.settled,
         )
+        self.forwarder.pool = UpstreamPool(
+            connect_timeout_s=s.connect_timeout_s, request_timeout_s=s.request_timeout_s
+        )
         self._layout_task: asyncio.Task[None] | None = None
 
     async def _health_changed(self, inst: Instance, up: bool) -> None:
@@ -105,8 +109,6 @@ class RouterState:
         return healthy[0].url if healthy else None
 
     async def start(self) -> None:
-        s = self.settings
-        self.forwarder.session = open_session(s.request_timeout_s, s.connect_timeout_s)
         for text in self.settings.instances:
             await self.add_instance(parse_instance(text), probe=False)
         await self.registry.start()
@@ -127,8 +129,7 @@ class RouterState:
         await self.ingest.close()
         await self.index.close()
         await self.client.aclose()
-        if self.forwarder.session is not None:
-            await self.forwarder.session.close()
+        self.forwarder.pool.close()
 
     async def add_instance(self, spec: InstanceSpec, *, probe: bool = True) -> Instance:
         inst = self.registry.add(spec)
