@@ -96,6 +96,18 @@ def wire_hash(digest: bytes) -> int:
     return int.from_bytes(digest[-8:], "big") & _U64
 
 
+def wire_hashes(digests: Sequence[bytes]) -> list[int]:
+    """``wire_hash`` of each of a request's digests (all of one algorithm, so one length),
+    in one numpy pass: a Python call per block cost the router ~50 us per 8k-token prompt."""
+    if not digests:
+        return []
+    n = len(digests[0])
+    joined = b"".join(digests)
+    if n % 8 or len(joined) != n * len(digests):
+        return [wire_hash(d) for d in digests]
+    return np.frombuffer(joined, dtype=">u8")[n // 8 - 1 :: n // 8].tolist()
+
+
 def block_extra_keys(
     num_blocks: int,
     *,

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from events.hashing import block_extra_keys, hash_request_blocks, wire_hash
+from events.hashing import block_extra_keys, hash_request_blocks, wire_hashes
 from events.retention import retained_prompt_blocks
 from router.index.base import NUM_TIERS, BlockIndex
 from router.instances import Instance, InstanceRegistry
@@ -96,6 +96,9 @@ class Router:
         if not healthy:
             return None
         ids = await self.tokenizer.prompt_ids(body, kind)
+        m = self.metrics
+        t_hash = time.perf_counter()
+        m.stage_tokenize.observe(t_hash - t0)
         n_tokens = len(ids) if ids is not None else 0
         # 1. Which hash block size each candidate uses (vLLM picks it; events tell).
         urls = [i.url for i in healthy]
@@ -116,10 +119,10 @@ class Router:
                 # The engine keys block 0 with the request's cache_salt: a salted request
                 # is credited only with blocks stored under the same salt.
                 keys = block_extra_keys(len(ids) // size, cache_salt=salt)
-                hashes[size] = hs = [
-                    wire_hash(h)
-                    for h in hash_request_blocks(ids, size, self.hash_algo, self.seed, keys)
-                ]
+                digests = hash_request_blocks(ids, size, self.hash_algo, self.seed, keys)
+                hashes[size] = hs = wire_hashes(digests)
+                t_score = time.perf_counter()
+                m.stage_hash.observe(t_score - t_hash)
                 if not hs:
                     continue
                 extra = self.speculative.residency(hs, group)
@@ -131,11 +134,15 @@ class Router:
                     index_ok = False
                     self.metrics.index_errors.inc()
                     log.warning("index lookup failed; routing on load only", exc_info=True)
+                t_hash = time.perf_counter()
+                m.stage_score.observe(t_hash - t_score)
         # 4. The policy ranks the candidates.
         candidates = {i.url: self._candidate(i, scores.get(i.url)) for i in healthy}
         decision = self.policy.choose(list(candidates.values()), max(n_tokens, 1))
-        elapsed = time.perf_counter() - t0
-        self.metrics.decision_seconds.observe(elapsed)
+        t_end = time.perf_counter()
+        m.stage_choose.observe(t_end - t_hash)
+        elapsed = t_end - t0
+        m.decision_seconds.observe(elapsed)
         out = RouteDecision(
             decision,
             n_tokens,

@@ -191,6 +191,7 @@ class Forwarder:
                 first = await resp.readany()
             else:
                 first = await resp.read()
+                resp.release()  # whole answer in hand: the connection goes back to the pool
             committed = True
         except _FAILED as exc:
             m.connect_error.inc()
