@@ -159,7 +159,7 @@ def overhead(
     routers: str = typer.Option(
         "ours:cost,vllm-router,sglang-router", help="Comma-separated routers to measure."
     ),
-    rounds: int = typer.Option(10, min=1, help="Interleaved rounds."),
+    rounds: int = typer.Option(20, min=1, help="Interleaved rounds."),
     per_batch: int = typer.Option(
         20, min=2, help="Requests per target per round (x clients/4 at 16 clients)."
     ),

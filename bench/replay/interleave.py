@@ -182,7 +182,7 @@ def _pid_of(base: str) -> int | None:
 def proxy_overhead(
     routers: Sequence[str],
     out: Path,
-    rounds: int = 10,
+    rounds: int = 20,
     per_batch: int = 20,
     concurrency: Sequence[int] = (1, 4, 16),
     upstreams: Sequence[str] = ("minimal", "engine"),

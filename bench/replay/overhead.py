@@ -126,7 +126,7 @@ async def _time(fn: Callable[[], Awaitable[None]], repeats: int) -> list[float]:
 def run_overhead(
     routers: Sequence[str],
     out: Path,
-    rounds: int = 10,
+    rounds: int = 20,
     per_batch: int = 20,
     concurrency: Sequence[int] = (1, 4, 16),
     upstreams: Sequence[str] = ("minimal", "engine"),
