@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -19,6 +20,17 @@ from router.state import RouterState
 __all__ = ["build_app", "serve"]
 
 
+def quiet_gc() -> None:
+    """Keep the cyclic GC off the request path. Every forward allocates a few hundred
+    tracked objects, so the default thresholds ran a full collection every few seconds
+    under load, each scanning the whole heap (100-330 ms pauses on the overhead benchmark:
+    the p99). Freezing what start-up built (modules, app, settings: ~90k objects) takes it
+    out of every later scan; larger thresholds make young collections rarer."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 20, 50)
+
+
 def build_app(settings: RouterSettings) -> tuple[ProxyEndpoints, RouterState]:
     state = RouterState(settings)
     app = create_app(state)
@@ -26,6 +38,7 @@ def build_app(settings: RouterSettings) -> tuple[ProxyEndpoints, RouterState]:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await state.start()
+        quiet_gc()
         try:
             yield
         finally:
