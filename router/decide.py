@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any
 
-from events.hashing import block_extra_keys, hash_request_blocks, wire_hashes
 from events.retention import retained_prompt_blocks
 from router.index.base import NUM_TIERS, BlockIndex
 from router.instances import Instance, InstanceRegistry
 from router.metrics import RouterMetrics
 from router.policy import Candidate, Decision, Policy
+from router.prompt_hashes import PromptHashes
 from router.score import Score, Scorer
 from router.speculative import SpeculativeResidency
 from router.tokenize import RoutingTokenizer
@@ -80,6 +81,7 @@ class Router:
         self.block_size = block_size  # until an instance's events say otherwise
         self.hash_algo = hash_algo
         self.seed = seed
+        self.prompt_hashes = PromptHashes(hash_algo, seed)
 
     def hash_block_size(self, instance: str) -> int:
         layout = self.scorer.layouts.get(instance)
@@ -118,9 +120,7 @@ class Router:
             for size, group in by_size.items():
                 # The engine keys block 0 with the request's cache_salt: a salted request
                 # is credited only with blocks stored under the same salt.
-                keys = block_extra_keys(len(ids) // size, cache_salt=salt)
-                digests = hash_request_blocks(ids, size, self.hash_algo, self.seed, keys)
-                hashes[size] = hs = wire_hashes(digests)
+                hashes[size] = hs = self.prompt_hashes.wire_hashes(ids, size, salt)
                 t_score = time.perf_counter()
                 m.stage_hash.observe(t_score - t_hash)
                 if not hs:
@@ -178,6 +178,8 @@ class Router:
         layout = self.scorer.layouts.get(instance)
         if not hashes or layout is None or instance in decision.speculative_held:
             return
+        if self.speculative.ttl_s <= 0:  # predict-on-route off: nothing to work out
+            return
         score = decision.scores.get(instance)
         held = retained_prompt_blocks(
             layout.groups,
@@ -185,10 +187,13 @@ class Router:
             layout.hash_block_size,
             junction=score.junction_tokens if score else 0,
         )
-        decision.speculative_held[instance] = self.speculative.record(
-            instance,
-            {g: [hashes[p] for p in positions if p < len(hashes)] for g, positions in held},
-        )
+        n, take = len(hashes), hashes.__getitem__
+        per_group: dict[int, list[int]] = {}
+        for g, positions in held:  # ascending positions; map + getitem runs in C
+            if positions and positions[-1] >= n:
+                positions = positions[: bisect_left(positions, n)]
+            per_group[g] = list(map(take, positions))
+        decision.speculative_held[instance] = self.speculative.record(instance, per_group)
 
     def settled(self, decision: RouteDecision, instance: str) -> None:
         """The routed request ended: its events are published; the index takes over at

@@ -4,10 +4,11 @@ Proxy overhead (``bench.replay.interleave``): the upstream called directly and t
 each router, interleaved round by round at 1, 4 and 16 clients, in front of a minimal
 upstream and of one simulated engine; added p50/p99 and router CPU per request. Small
 completions (a shared 512-token prefix plus 512 tokens of their own, ``max_tokens=1``).
-Decision time: ``Router.decide`` in-process (tokenize,
-hash, score, choose) and ``Scorer.score`` + ``policy.choose`` alone, for an 8k-token
-prompt over N instances whose index holds a shared prefix, longer matches on a few
-instances (GPU and CPU tiers, both groups of the swa-hybrid layout) and unrelated blocks.
+Decision time: ``Router.decide`` in-process (tokenize, hash, score, choose; for a new
+prompt and for one whose prefix the router hashed before) and ``Scorer.score`` +
+``policy.choose`` alone, for an 8k-token prompt over N instances whose index holds a
+shared prefix, longer matches on a few instances (GPU and CPU tiers, both groups of the
+swa-hybrid layout) and unrelated blocks.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from router.index.memory import MemoryIndex
 from router.instances import Instance
 from router.layout import InstanceLayout, LayoutRegistry
 from router.policy import Candidate
+from router.prompt_hashes import PromptHashes
 
 __all__ = ["decision_time", "proxy_overhead", "run_overhead"]
 
@@ -89,7 +91,11 @@ async def _decision_row(
     )  # fmt: skip
     scorer, policy = router.scorer, router.policy
 
-    async def full() -> None:
+    async def full() -> None:  # a prompt not seen before: every block hashed
+        router.prompt_hashes = PromptHashes(settings.hash_algo, settings.seed)
+        await router.decide({"prompt": text}, "completion")
+
+    async def repeated() -> None:  # its prefix seen before (next turn, shared system prompt)
         await router.decide({"prompt": text}, "completion")
 
     async def score_choose() -> None:
@@ -99,6 +105,7 @@ async def _decision_row(
 
     return {
         "decide": _stats(await _time(full, repeats)),
+        "decide, prefix seen before": _stats(await _time(repeated, repeats)),
         "score+choose": _stats(await _time(score_choose, repeats)),
     }
 
