@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
 
 from bench.chaos.procs import free_port
 from bench.replay.config import EngineConfig, ReplayConfig, parse_router
@@ -155,7 +157,28 @@ def _measure(
             )
             targets.append(_Target(r, base, _pid_of(base)))
         asyncio.run(_rounds(targets, cfg.model, rounds, per_batch, concurrency, stream_every))
-    return {f"x{c}": {t.name: _stats(t, targets[0], c) for t in targets} for c in concurrency}
+        stages = {t.name: _stages(t.url) for t in targets if t.name.startswith("ours")}
+    out: dict[str, Any] = {
+        f"x{c}": {t.name: _stats(t, targets[0], c) for t in targets} for c in concurrency
+    }
+    out["stages_ms"] = stages
+    return out
+
+
+_STAGE = re.compile(r'^kvroute_router_stage_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$', re.M)
+
+
+def _stages(base: str) -> dict[str, float]:
+    """Our router's mean time per stage over the run (its /metrics), ms."""
+    try:
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for kind, stage, value in _STAGE.findall(text):
+        (sums if kind == "sum" else counts)[stage] = float(value)
+    return {k: sums[k] / counts[k] * 1e3 for k in sums if counts.get(k)}
 
 
 def _pid_of(base: str) -> int | None:

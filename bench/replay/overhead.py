@@ -176,12 +176,29 @@ def overhead_markdown(report: dict[str, Any]) -> str:
     ]
     for upstream, cells in report["proxy"].items():
         for conc, row in cells.items():
+            if conc == "stages_ms":
+                continue
             for name, s in row.items():
                 lines.append(
                     f"| {upstream} | {conc} | {name} | {_f(s['p50_ms'])} | {_f(s['p99_ms'])} "
                     f"| {_f(s.get('added_p50_ms'))} | {_f(s.get('added_p99_ms'))} "
                     f"| {_f(s.get('cpu_ms_per_request'))} |"
                 )
+    stage_rows = [
+        (upstream, name, st)
+        for upstream, cells in report["proxy"].items()
+        for name, st in cells.get("stages_ms", {}).items()
+        if st
+    ]
+    if stage_rows:
+        names = list(stage_rows[0][2])
+        lines += ["", "## Our router's mean time per stage over the run (ms)", ""]
+        lines += ["`kvroute_router_stage_seconds`; upstream_* include the upstream's time.", ""]
+        lines += ["| upstream | router | " + " | ".join(names) + " |"]
+        lines += ["|---|---|" + "---|" * len(names)]
+        for upstream, name, st in stage_rows:
+            row_ = " | ".join(_f(st.get(k), 3) for k in names)
+            lines.append(f"| {upstream} | {name} | {row_} |")
     lines += ["", "## Routing decision time, ours in-process (8,192-token prompt, ms)", ""]
     lines += ["| instances | step | p50 | p99 |", "|---|---|---|---|"]
     for n, row in report["decision_time"].items():
