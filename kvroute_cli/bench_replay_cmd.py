@@ -156,9 +156,15 @@ def replay(
 
 def overhead(
     out: Path = typer.Option(Path("bench-results/overhead"), help="Report directory."),
-    routers: str = typer.Option(DEFAULT_ROUTERS, help="Comma-separated routers to measure."),
-    requests: int = typer.Option(200, min=10, help="Requests per phase."),
-    concurrency: int = typer.Option(4, min=1, help="Clients in the concurrent phase."),
+    routers: str = typer.Option(
+        "ours:cost,vllm-router,sglang-router", help="Comma-separated routers to measure."
+    ),
+    rounds: int = typer.Option(20, min=1, help="Interleaved rounds."),
+    per_batch: int = typer.Option(
+        20, min=2, help="Requests per target per round (x clients/4 at 16 clients)."
+    ),
+    clients: str = typer.Option("1,4,16", help="Comma-separated client concurrencies."),
+    upstreams: str = typer.Option("minimal,engine", help="minimal and/or engine."),
 ) -> None:
     """Latency each router adds per request vs calling an engine directly (p50/p99), and
     our in-process routing decision time."""
@@ -172,5 +178,7 @@ def overhead(
     if any(r in PEERS for r in names):
         require_extras("kvroute bench overhead with peer routers", "bench")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    run_overhead(names, out, requests, concurrency, command=_command("overhead"))
-    Console().print((out / "overhead.md").read_text())
+    conc = [int(c) for c in clients.split(",") if c.strip()]
+    ups = [u.strip() for u in upstreams.split(",") if u.strip()]
+    run_overhead(names, out, rounds, per_batch, conc, ups, command=_command("overhead"))
+    Console().print((out / "report.md").read_text())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import math
 import time
@@ -26,12 +27,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from router.instances import Instance
+from router.proxy import Reply
 
-__all__ = ["AdmissionConfig", "AdmissionController", "Rejected", "Ticket", "rejected_response"]
+__all__ = ["AdmissionConfig", "AdmissionController", "Rejected", "Ticket", "rejected_reply"]
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +62,14 @@ class Rejected:
     message: str
 
 
-def rejected_response(r: Rejected) -> JSONResponse:
+def rejected_reply(r: Rejected) -> Reply:
     """429 with ``Retry-After`` and an OpenAI-shaped error body."""
     body = {"error": {"message": r.message, "type": "RateLimitError", "param": None, "code": 429}}
-    return JSONResponse(body, status_code=429, headers={"retry-after": str(r.retry_after_s)})
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"retry-after", str(r.retry_after_s).encode()),
+    ]
+    return Reply(429, headers, json.dumps(body).encode())
 
 
 class Ticket:

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from events.hashing import block_extra_keys, hash_request_blocks, wire_hash
 from events.retention import retained_prompt_blocks
 from router.affinity import SessionAffinity
 from router.index.base import BlockIndex, Tier, group_tier
 from router.instances import Instance, InstanceRegistry
 from router.metrics import RouterMetrics
 from router.policy import Candidate, Decision, Policy
+from router.prompt_hashes import PromptHashes
 from router.score import Score, Scorer
 from router.speculative import SpeculativeResidency
 from router.tokenize import RoutingTokenizer
@@ -87,6 +88,7 @@ class Router:
         self.hash_algo = hash_algo
         self.seed = seed
         self.affinity = affinity
+        self.prompt_hashes = PromptHashes(hash_algo, seed)
 
     def hash_block_size(self, instance: str) -> int:
         layout = self.scorer.layouts.get(instance)
@@ -113,6 +115,9 @@ class Router:
         if not healthy:
             return None
         ids = await self.tokenizer.prompt_ids(body, kind, healthy[0].http_url)
+        m = self.metrics
+        t_hash = time.perf_counter()
+        m.stage_tokenize.observe(t_hash - t0)
         n_tokens = len(ids) if ids is not None else 0
         # 1. Which hash block size each candidate uses (vLLM picks it; events tell).
         urls = [i.url for i in healthy]
@@ -132,11 +137,9 @@ class Router:
             for size, group in by_size.items():
                 # The engine keys block 0 with the request's cache_salt: a salted request
                 # is credited only with blocks stored under the same salt.
-                keys = block_extra_keys(len(ids) // size, lora=lora, cache_salt=salt)
-                hashes[size] = hs = [
-                    wire_hash(h)
-                    for h in hash_request_blocks(ids, size, self.hash_algo, self.seed, keys)
-                ]
+                hashes[size] = hs = self.prompt_hashes.wire_hashes(ids, size, salt, lora)
+                t_score = time.perf_counter()
+                m.stage_hash.observe(t_score - t_hash)
                 if not hs:
                     continue
                 extra = self.speculative.residency(hs, group)
@@ -148,14 +151,18 @@ class Router:
                     index_ok = False
                     self.metrics.index_errors.inc()
                     log.warning("index lookup failed; routing on load only", exc_info=True)
+                t_hash = time.perf_counter()
+                m.stage_score.observe(t_hash - t_score)
         # 4. The policy ranks the candidates.
         candidates = {i.url: self._candidate(i, scores.get(i.url)) for i in healthy}
         decision = self.policy.choose(list(candidates.values()), max(n_tokens, 1))
         affinity = None
         if self.affinity is not None:
             decision, affinity = self.affinity.apply(decision, session, record=record)
-        elapsed = time.perf_counter() - t0
-        self.metrics.decision_seconds.observe(elapsed)
+        t_end = time.perf_counter()
+        m.stage_choose.observe(t_end - t_hash)
+        elapsed = t_end - t0
+        m.decision_seconds.observe(elapsed)
         out = RouteDecision(
             decision,
             n_tokens,
@@ -192,6 +199,8 @@ class Router:
         layout = self.scorer.layouts.get(instance)
         if not hashes or layout is None or instance in decision.speculative_held:
             return
+        if self.speculative.ttl_s <= 0:  # predict-on-route off: nothing to work out
+            return
         score = decision.scores.get(instance)
         held = retained_prompt_blocks(
             layout.groups,
@@ -199,10 +208,13 @@ class Router:
             layout.hash_block_size,
             junction=score.junction_tokens if score else 0,
         )
-        decision.speculative_held[instance] = self.speculative.record(
-            instance,
-            {g: [hashes[p] for p in positions if p < len(hashes)] for g, positions in held},
-        )
+        n, take = len(hashes), hashes.__getitem__
+        per_group: dict[int, list[int]] = {}
+        for g, positions in held:  # ascending positions; map + getitem runs in C
+            if positions and positions[-1] >= n:
+                positions = positions[: bisect_left(positions, n)]
+            per_group[g] = list(map(take, positions))
+        decision.speculative_held[instance] = self.speculative.record(instance, per_group)
 
     def settled(self, decision: RouteDecision, instance: str) -> None:
         """The routed request ended: its events are published; the index takes over at

@@ -67,6 +67,11 @@ class Instance:
         rank = self.spec.dp_rank
         return {} if rank is None else {"x-data-parallel-rank": str(rank)}
 
+    @property
+    def route_header_bytes(self) -> list[tuple[bytes, bytes]]:
+        """``route_headers`` as the proxy writes them."""
+        return [(k.encode(), v.encode()) for k, v in self.route_headers.items()]
+
 
 OnChange = Callable[[Instance, bool], Awaitable[None]]
 

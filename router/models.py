@@ -15,22 +15,23 @@ candidate for any model: the engine answers for itself.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from fastapi.responses import JSONResponse
 
 from router.instances import Instance
+from router.proxy import Reply
 
-__all__ = ["ModelRegistry", "ServedModels", "unknown_model_response"]
+__all__ = ["ModelRegistry", "ServedModels", "unknown_model_reply"]
 
 log = logging.getLogger(__name__)
 
 
-def unknown_model_response(model: str) -> JSONResponse:
+def unknown_model_reply(model: str) -> Reply:
     """vLLM's answer for a model it does not serve (``OpenAIModelRegistry.check_model``)."""
     err = {
         "message": f"The model `{model}` does not exist.",
@@ -38,7 +39,7 @@ def unknown_model_response(model: str) -> JSONResponse:
         "param": "model",
         "code": 404,
     }
-    return JSONResponse({"error": err}, status_code=404)
+    return Reply(404, [(b"content-type", b"application/json")], json.dumps({"error": err}).encode())
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ comes in such a batch). ``ttl_s`` bounds an entry's life in any case.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from router.index.base import Residency, Tier, slot_of
@@ -38,7 +39,10 @@ class SpeculativeResidency:
         # hash -> instance -> [expiry, group bitmask, requests in flight holding it]
         self._held: dict[int, dict[str, list]] = {}
         self._settled: dict[str, list[list[int]]] = {}  # answered, awaiting the next batch
-        self._last_purge = clock()
+        # (expiry, instance, hashes) in recording order, hence expiry order: purging looks
+        # only at what expired, not at every entry (a full scan cost ~8% of the router's
+        # CPU under load).
+        self._expiries: deque[tuple[float, str, list[int]]] = deque()
 
     def record(self, instance: str, held: Mapping[int, Iterable[int]]) -> list[int]:
         """``held``: group_idx -> wire hashes that group will cache on ``instance``.
@@ -59,9 +63,11 @@ class SpeculativeResidency:
                 holders[instance] = [expiry, groups, 1]
             else:
                 entry[0], entry[1], entry[2] = expiry, entry[1] | groups, entry[2] + 1
-        if now - self._last_purge > self.ttl_s:
+        recorded = list(groups_of)
+        self._expiries.append((expiry, instance, recorded))
+        if self._expiries[0][0] <= now:
             self.purge(now)
-        return list(groups_of)
+        return recorded
 
     def settle(self, instance: str, hashes: list[int]) -> None:
         """The request that recorded ``hashes`` on ``instance`` has been answered: release
@@ -116,20 +122,27 @@ class SpeculativeResidency:
 
     def forget(self, instance: str) -> None:
         self._settled.pop(instance, None)
-        for holders in self._held.values():
-            holders.pop(instance, None)
-        self.purge(self._clock())
-
-    def purge(self, now: float) -> None:
-        self._last_purge = now
         dead = []
         for h, holders in self._held.items():
-            for name in [n for n, entry in holders.items() if entry[0] <= now]:
-                del holders[name]
+            holders.pop(instance, None)
             if not holders:
                 dead.append(h)
         for h in dead:
             del self._held[h]
+        self.purge(self._clock())
+
+    def purge(self, now: float) -> None:
+        """Drop the entries that expired by ``now``."""
+        queue, held = self._expiries, self._held
+        while queue and queue[0][0] <= now:
+            _, name, hashes = queue.popleft()
+            for h in hashes:
+                holders = held.get(h)
+                entry = holders.get(name) if holders else None
+                if entry is not None and entry[0] <= now:
+                    del holders[name]  # type: ignore[union-attr]
+                    if not holders:
+                        del held[h]
 
     def __len__(self) -> int:
         return len(self._held)

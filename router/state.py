@@ -11,19 +11,18 @@ import httpx
 
 from router.admission import AdmissionConfig, AdmissionController
 from router.affinity import AffinityConfig, SessionAffinity
+from router.build import build_router, instrument
 from router.config import InstanceSpec, RouterSettings, parse_instance, rank_specs
-from router.decide import RouteDecision, Router
+from router.decide import RouteDecision
 from router.index import open_index
 from router.ingest import IngestManager
 from router.instances import Instance, InstanceRegistry
 from router.layout import InstanceLayout, LayoutRegistry
 from router.metrics import RouterMetrics
 from router.models import ModelRegistry
-from router.policy import CostRates, make_policy
 from router.proxy import Forwarder
-from router.score import Scorer
-from router.speculative import SpeculativeResidency
 from router.tokenize import RoutingTokenizer
+from router.upstream import UpstreamPool
 
 __all__ = ["RouterState", "parse_layout"]
 
@@ -62,7 +61,7 @@ class RouterState:
             redis_opts = {"model": s.model, "hash_algo": s.hash_algo, "hash_seed": s.seed}
             if s.redis_block_ttl_s:
                 redis_opts["block_ttl_s"] = s.redis_block_ttl_s
-        self.index = open_index(s.index, **redis_opts)
+        self.index = instrument(open_index(s.index, **redis_opts), self.metrics)
         self.layouts = LayoutRegistry(default=parse_layout(s.default_layout, s.block_size))
         self.ingest = IngestManager(self.index, self.layouts, registry=self.metrics.registry)
         self.registry = InstanceRegistry(
@@ -75,14 +74,6 @@ class RouterState:
             on_change=self._health_changed,
             on_block_size=self.layouts.hint_block_size,
         )
-        self.policy = make_policy(
-            s.policy,
-            temperature=s.temperature,
-            rates=CostRates(s.prefill_s_per_token, s.load_s_per_token, s.request_overhead_s),
-        )
-        self.scorer = Scorer(self.index, self.layouts, full_only=s.policy == "prefix_full_only")
-        self.speculative = SpeculativeResidency(s.speculative_ttl_s)
-        self.ingest.on_applied = self.speculative.flush
         self.affinity = SessionAffinity(
             AffinityConfig(
                 header=s.session_header,
@@ -93,19 +84,19 @@ class RouterState:
             ),
             self.metrics.registry,
         )
-        self.router = Router(
-            registry=self.registry,
-            scorer=self.scorer,
+        self.router = build_router(
+            s,
             index=self.index,
-            policy=self.policy,
-            tokenizer=RoutingTokenizer(s.tokenizer, self.client, self._any_healthy),
-            speculative=self.speculative,
+            layouts=self.layouts,
+            registry=self.registry,
             metrics=self.metrics,
-            block_size=s.block_size,
-            hash_algo=s.hash_algo,
-            seed=s.seed,
+            tokenizer=RoutingTokenizer(s.tokenizer, self.client, self._any_healthy),
             affinity=self.affinity if self.affinity.config.enabled else None,
         )
+        self.policy = self.router.policy
+        self.scorer = self.router.scorer
+        self.speculative = self.router.speculative
+        self.ingest.on_applied = self.speculative.flush
         self.admission = AdmissionController(
             AdmissionConfig(
                 max_waiting=s.admission_max_waiting,
@@ -121,13 +112,15 @@ class RouterState:
         self.models = ModelRegistry(self.client, s.health_timeout_s)
         self.registry.on_up = self.models.refresh
         self.forwarder = Forwarder(
-            self.client,
             self.registry,
             self.policy,
             self.metrics,
             max_retries=s.max_retries,
             on_routed=self._routed,
             on_done=self._done,
+        )
+        self.forwarder.pool = UpstreamPool(
+            connect_timeout_s=s.connect_timeout_s, request_timeout_s=s.request_timeout_s
         )
         self._layout_task: asyncio.Task[None] | None = None
 
@@ -174,6 +167,7 @@ class RouterState:
         await self.ingest.close()
         await self.index.close()
         await self.client.aclose()
+        self.forwarder.pool.close()
 
     async def add_instance(self, spec: InstanceSpec, *, probe: bool = True) -> Instance:
         """Register an instance (``dp=N``: one target per data-parallel rank, the first

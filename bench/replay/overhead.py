@@ -1,13 +1,14 @@
 """``kvroute bench overhead``: what a router adds to each request, and our decision time.
 
-Proxy overhead: two engines that compute almost nothing (time scale 1000), small
-non-streaming completions (a shared 512-token prefix plus 512 tokens of their own,
-``max_tokens=1``), sent directly to an engine and through each router, sequentially and
-with a few concurrent clients; the added latency is the router's p50/p99 minus the
-direct p50/p99 of the same phase. Decision time: ``Router.decide`` in-process (tokenize,
-hash, score, choose) and ``Scorer.score`` + ``policy.choose`` alone, for an 8k-token
-prompt over N instances whose index holds a shared prefix, longer matches on a few
-instances (GPU and CPU tiers, both groups of the swa-hybrid layout) and unrelated blocks.
+Proxy overhead (``bench.replay.interleave``): the upstream called directly and through
+each router, interleaved round by round at 1, 4 and 16 clients, in front of a minimal
+upstream and of one simulated engine; added p50/p99 and router CPU per request. Small
+completions (a shared 512-token prefix plus 512 tokens of their own, ``max_tokens=1``).
+Decision time: ``Router.decide`` in-process (tokenize, hash, score, choose; for a new
+prompt and for one whose prefix the router hashed before) and ``Scorer.score`` +
+``policy.choose`` alone, for an 8k-token prompt over N instances whose index holds a
+shared prefix, longer matches on a few instances (GPU and CPU tiers, both groups of the
+swa-hybrid layout) and unrelated blocks.
 """
 
 from __future__ import annotations
@@ -17,98 +18,30 @@ import json
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from bench.common import machine_info
-from bench.replay.config import EngineConfig, ReplayConfig, parse_router
-from bench.replay.procs import running_engines, running_router
+from bench.replay.interleave import proxy_overhead
 from bench.replay.records import percentile
 from bench.replay.trace import block_text
 from events.groups import FullAttentionSpec, SlidingWindowSpec
 from events.hashing import hash_request_blocks, wire_hash
 from events.structs import BlockStored, KVEventBatch
-from router.config import InstanceSpec
-from router.decide import Router
+from router.build import build_router
+from router.config import InstanceSpec, RouterSettings
 from router.index.memory import MemoryIndex
 from router.instances import Instance
 from router.layout import InstanceLayout, LayoutRegistry
-from router.metrics import RouterMetrics
-from router.policy import Candidate, make_policy
-from router.score import Scorer
-from router.speculative import SpeculativeResidency
-from router.tokenize import RoutingTokenizer
+from router.policy import Candidate
+from router.prompt_hashes import PromptHashes
 
 __all__ = ["decision_time", "proxy_overhead", "run_overhead"]
-
-
-def _prompt(i: int) -> str:
-    return block_text(0, 7) + block_text(1_000_000 + i, 7)
-
-
-async def _latencies(
-    urls: Sequence[str], model: str, n: int, concurrency: int, offset: int
-) -> list[float]:
-    """Wall seconds per request; request i goes to ``urls[i % len(urls)]``."""
-    out: list[float] = []
-    queue = list(range(n))
-    async with httpx.AsyncClient(timeout=30.0) as client:
-
-        async def worker() -> None:
-            while queue:
-                i = queue.pop()
-                body = {"model": model, "prompt": _prompt(offset + i), "max_tokens": 1}
-                t0 = time.perf_counter()
-                r = await client.post(f"{urls[i % len(urls)]}/v1/completions", json=body)
-                out.append(time.perf_counter() - t0)
-                if r.status_code != 200:
-                    raise RuntimeError(f"{r.status_code}: {r.text[:200]}")
-
-        for i in range(min(5, n)):  # warm connections and caches, untimed
-            body = {"model": model, "prompt": _prompt(10_000_000 + i), "max_tokens": 1}
-            await client.post(f"{urls[0]}/v1/completions", json=body)
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return out
 
 
 def _stats(xs: list[float]) -> dict[str, float | None]:
     p50, p99 = percentile(xs, 50), percentile(xs, 99)
     return {"p50_ms": p50 * 1e3 if p50 else None, "p99_ms": p99 * 1e3 if p99 else None}
-
-
-def proxy_overhead(
-    routers: Sequence[str], out: Path, requests: int = 200, concurrency: int = 4
-) -> dict[str, Any]:
-    cfg = ReplayConfig(
-        engines=2,
-        engine=replace(EngineConfig(), profile="full", gpu_blocks=4096, cpu_blocks=0),
-        time_scale=1000.0,
-    )
-    results: dict[str, Any] = {}
-    with running_engines(cfg, out / "logs") as engines:
-        urls = [e.url for e in engines]
-        phases = {"sequential": 1, f"concurrent x{concurrency}": concurrency}
-        direct = {
-            p: asyncio.run(_latencies(urls, cfg.model, requests, c, 0)) for p, c in phases.items()
-        }
-        results["direct"] = {p: _stats(v) for p, v in direct.items()}
-        for r in routers:
-            kind, policy = parse_router(r)
-            with running_router(kind, policy, engines, cfg, out / "logs") as (base, _):
-                row: dict[str, Any] = {}
-                for p, c in phases.items():
-                    lat = asyncio.run(_latencies([base], cfg.model, requests, c, 100_000))
-                    s, d = _stats(lat), results["direct"][p]
-                    row[p] = {
-                        **s,
-                        "added_p50_ms": s["p50_ms"] - d["p50_ms"],
-                        "added_p99_ms": s["p99_ms"] - d["p99_ms"],
-                    }
-                results[r] = row
-    return results
 
 
 class _StaticRegistry:
@@ -150,15 +83,19 @@ async def _decision_row(
                 evs.append(_stored(hashes[lo:hi], g, medium, layout))
         evs.append(_stored([rng.getrandbits(64) for _ in range(20_000)], 0, "GPU", layout))
         index.apply_sync(name, KVEventBatch(ts=1.0, events=evs))
-    scorer = Scorer(index, LayoutRegistry(default=layout))
-    policy = make_policy("cost")
-    router = Router(
-        registry=_StaticRegistry(names), scorer=scorer, index=index,  # type: ignore[arg-type]
-        policy=policy, tokenizer=RoutingTokenizer("byte"), speculative=SpeculativeResidency(0.0),
-        metrics=RouterMetrics(), block_size=16, hash_algo="sha256_cbor", seed=None,
+    settings = RouterSettings(policy="cost", block_size=16, hash_algo="sha256_cbor",
+                              tokenizer="byte", speculative_ttl_s=0.0)  # fmt: skip
+    router = build_router(
+        settings, index=index, layouts=LayoutRegistry(default=layout),
+        registry=_StaticRegistry(names),
     )  # fmt: skip
+    scorer, policy = router.scorer, router.policy
 
-    async def full() -> None:
+    async def full() -> None:  # a prompt not seen before: every block hashed
+        router.prompt_hashes = PromptHashes(settings.hash_algo, settings.seed)
+        await router.decide({"prompt": text}, "completion")
+
+    async def repeated() -> None:  # its prefix seen before (next turn, shared system prompt)
         await router.decide({"prompt": text}, "completion")
 
     async def score_choose() -> None:
@@ -168,6 +105,7 @@ async def _decision_row(
 
     return {
         "decide": _stats(await _time(full, repeats)),
+        "decide, prefix seen before": _stats(await _time(repeated, repeats)),
         "score+choose": _stats(await _time(score_choose, repeats)),
     }
 
@@ -195,22 +133,28 @@ async def _time(fn: Callable[[], Awaitable[None]], repeats: int) -> list[float]:
 def run_overhead(
     routers: Sequence[str],
     out: Path,
-    requests: int = 200,
-    concurrency: int = 4,
+    rounds: int = 20,
+    per_batch: int = 20,
+    concurrency: Sequence[int] = (1, 4, 16),
+    upstreams: Sequence[str] = ("minimal", "engine"),
     command: str | None = None,
 ) -> dict[str, Any]:
-    """Both measurements; writes ``overhead.json`` and ``overhead.md`` under ``out``."""
+    """Both measurements; writes ``results.json`` and ``report.md`` under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     machine = machine_info()
     report = {
         "command": command or " ".join(machine["argv"]),
         "machine": machine,
         "decision_time": decision_time(),
-        "proxy": proxy_overhead(routers, out, requests, concurrency),
+        "proxy": proxy_overhead(routers, out, rounds, per_batch, concurrency, upstreams),
     }
-    (out / "overhead.json").write_text(json.dumps(report, indent=1))
-    (out / "overhead.md").write_text(overhead_markdown(report))
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+    (out / "report.md").write_text(overhead_markdown(report))
     return report
+
+
+def _f(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
 
 
 def overhead_markdown(report: dict[str, Any]) -> str:
@@ -222,22 +166,39 @@ def overhead_markdown(report: dict[str, Any]) -> str:
         "",
         f"Machine: {m['processor']}, {m['cpus']} CPUs, {m['platform']}, {m['time']}.",
         "",
-        "## Added latency per request (router minus direct engine call, ms)",
+        "## Added latency per request (router minus direct, same interleaved run, ms)",
         "",
-        "| router | phase | p50 | p99 | added p50 | added p99 |",
-        "|---|---|---|---|---|---|",
+        "Targets interleaved round by round in rotating order. CPU: the router process's",
+        "utime + stime per request. vs sglang: our added p50 over sglang-router's.",
+        "",
+        "| upstream | clients | router | p50 | p99 | added p50 | added p99 | CPU ms/req |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    proxy = report["proxy"]
-    for phase, s in proxy["direct"].items():
-        lines.append(f"| direct | {phase} | {s['p50_ms']:.2f} | {s['p99_ms']:.2f} | | |")
-    for name, row in proxy.items():
-        if name == "direct":
-            continue
-        for phase, s in row.items():
-            lines.append(
-                f"| {name} | {phase} | {s['p50_ms']:.2f} | {s['p99_ms']:.2f} "
-                f"| {s['added_p50_ms']:.2f} | {s['added_p99_ms']:.2f} |"
-            )
+    for upstream, cells in report["proxy"].items():
+        for conc, row in cells.items():
+            if conc == "stages_ms":
+                continue
+            for name, s in row.items():
+                lines.append(
+                    f"| {upstream} | {conc} | {name} | {_f(s['p50_ms'])} | {_f(s['p99_ms'])} "
+                    f"| {_f(s.get('added_p50_ms'))} | {_f(s.get('added_p99_ms'))} "
+                    f"| {_f(s.get('cpu_ms_per_request'))} |"
+                )
+    stage_rows = [
+        (upstream, name, st)
+        for upstream, cells in report["proxy"].items()
+        for name, st in cells.get("stages_ms", {}).items()
+        if st
+    ]
+    if stage_rows:
+        names = list(stage_rows[0][2])
+        lines += ["", "## Our router's mean time per stage over the run (ms)", ""]
+        lines += ["`kvroute_router_stage_seconds`; upstream_* include the upstream's time.", ""]
+        lines += ["| upstream | router | " + " | ".join(names) + " |"]
+        lines += ["|---|---|" + "---|" * len(names)]
+        for upstream, name, st in stage_rows:
+            row_ = " | ".join(_f(st.get(k), 3) for k in names)
+            lines.append(f"| {upstream} | {name} | {row_} |")
     lines += ["", "## Routing decision time, ours in-process (8,192-token prompt, ms)", ""]
     lines += ["| instances | step | p50 | p99 |", "|---|---|---|---|"]
     for n, row in report["decision_time"].items():

@@ -35,16 +35,12 @@ from engine_adapter.profiles import get_profile
 from engine_adapter.sim.core import FILLER_TEXT, EngineCore, SchedulerConfig
 from events.publisher import EventPublisher
 from events.structs import KVEventBatch
-from router.config import InstanceSpec
-from router.decide import Router
+from router.build import build_router
+from router.config import InstanceSpec, RouterSettings
 from router.index.memory import MemoryIndex
 from router.instances import Instance
 from router.layout import InstanceLayout, LayoutRegistry
-from router.metrics import RouterMetrics
 from router.policy import CostPolicy, CostRates, LeastLoadedPolicy, Policy, make_policy
-from router.score import Scorer
-from router.speculative import SpeculativeResidency
-from router.tokenize import RoutingTokenizer
 
 __all__ = ["SimResult", "SimRouterSettings", "run_sim"]
 
@@ -170,19 +166,26 @@ async def _simulate(
     cores = {n: build_core(cfg, feeds[n]) for n in names}
     insts = {n: Instance(InstanceSpec(n)) for n in names}
     rates = CostRates(rs.prefill_s_per_token, rs.load_s_per_token, rs.request_overhead_s)
-    policy = sim_policy(policy_name, rates, cfg.temperature, cfg.seed)
-    router = Router(
-        registry=_Registry(list(insts.values())),  # type: ignore[arg-type]
-        scorer=Scorer(index, layouts, full_only=policy_name == "prefix_full_only"),
-        index=index,
-        policy=policy,
-        tokenizer=RoutingTokenizer("byte"),
-        speculative=SpeculativeResidency(rs.speculative_ttl_s, clock=loop.time),
-        metrics=RouterMetrics(),
+    settings = RouterSettings(
+        policy=policy_name,
         block_size=cfg.engine.block_size,
         hash_algo=cfg.engine.hash_algo,
-        seed=None,
+        tokenizer="byte",
+        temperature=cfg.temperature,
+        prefill_s_per_token=rs.prefill_s_per_token,
+        load_s_per_token=rs.load_s_per_token,
+        request_overhead_s=rs.request_overhead_s,
+        speculative_ttl_s=rs.speculative_ttl_s,
     )
+    router = build_router(
+        settings,
+        index=index,
+        layouts=layouts,
+        registry=_Registry(list(insts.values())),
+        policy=sim_policy(policy_name, rates, cfg.temperature, cfg.seed),
+        clock=loop.time,
+    )
+    policy = router.policy
     for feed in feeds.values():
         feed.on_applied = router.speculative.flush
     for core in cores.values():

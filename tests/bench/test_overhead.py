@@ -19,10 +19,15 @@ def test_decision_time_measures_decide_and_score_choose():
         "machine": {"argv": ["kvroute", "bench", "overhead"], "processor": "x", "cpus": 2,
                     "platform": "p", "time": "t"},
         "decision_time": out,
-        "proxy": {"direct": {"sequential": {"p50_ms": 1.0, "p99_ms": 2.0}},
-                  "ours:cost": {"sequential": {"p50_ms": 2.5, "p99_ms": 4.0,
-                                               "added_p50_ms": 1.5, "added_p99_ms": 2.0}}},
+        "proxy": {"minimal": {"x1": {
+            "direct": {"n": 10, "p50_ms": 1.0, "p99_ms": 2.0},
+            "ours:cost": {"n": 10, "p50_ms": 2.5, "p99_ms": 4.0, "added_p50_ms": 1.5,
+                          "added_p99_ms": 2.0, "cpu_ms_per_request": 0.4}},
+            "stages_ms": {"ours:cost": {"parse": 0.012, "hash": 0.1}}}},
     }  # fmt: skip
     md = overhead_markdown(report)
-    assert "| ours:cost | sequential | 2.50 | 4.00 | 1.50 | 2.00 |" in md
+    assert "| minimal | x1 | ours:cost | 2.50 | 4.00 | 1.50 | 2.00 | 0.40 |" in md
+    assert "| minimal | x1 | direct | 1.00 | 2.00 | - | - | - |" in md
+    assert "| upstream | router | parse | hash |" in md
+    assert "| minimal | ours:cost | 0.012 | 0.100 |" in md
     assert "| 4 instances | decide |" in md

@@ -1,0 +1,76 @@
+"""One factory for the routing core: the server, the replay simulator and the benchmarks
+build their ``Router`` here, so the rules that pair its parts live once (the
+``prefix_full_only`` baseline is the cost policy with a full-attention-only scorer; the
+index is wrapped in ``InstrumentedIndex`` so its lookup and apply times are exported)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from router.affinity import SessionAffinity
+from router.config import RouterSettings
+from router.decide import Router
+from router.index.base import BlockIndex
+from router.index.instrumented import IndexMetrics, InstrumentedIndex
+from router.layout import LayoutRegistry
+from router.metrics import RouterMetrics
+from router.policy import CostRates, Policy, make_policy
+from router.score import Scorer
+from router.speculative import SpeculativeResidency
+from router.tokenize import RoutingTokenizer
+
+__all__ = ["build_router", "instrument", "policy_rates"]
+
+
+def policy_rates(settings: RouterSettings) -> CostRates:
+    s = settings
+    return CostRates(s.prefill_s_per_token, s.load_s_per_token, s.request_overhead_s)
+
+
+def instrument(index: BlockIndex, metrics: RouterMetrics) -> BlockIndex:
+    """``index`` with its metrics exported in the router's registry (idempotent)."""
+    if isinstance(index, InstrumentedIndex):
+        return index
+    return InstrumentedIndex(index, IndexMetrics(metrics.registry))  # type: ignore[return-value]
+
+
+def build_router(
+    settings: RouterSettings,
+    *,
+    index: BlockIndex,
+    layouts: LayoutRegistry,
+    registry: Any,
+    metrics: RouterMetrics | None = None,
+    tokenizer: RoutingTokenizer | None = None,
+    policy: Policy | None = None,
+    clock: Callable[[], float] | None = None,
+    affinity: SessionAffinity | None = None,
+) -> Router:
+    """The routing core from ``settings``. ``index`` should already be ``instrument``ed
+    when ingest writes through it too; ``policy`` overrides ``settings.policy``'s (the
+    simulator seeds its tie-breaking); ``clock`` drives speculative expiry (virtual time);
+    ``affinity`` keeps sessions on their instance (applied after the policy's ranking)."""
+    metrics = metrics or RouterMetrics()
+    index = instrument(index, metrics)
+    speculative = (
+        SpeculativeResidency(settings.speculative_ttl_s)
+        if clock is None
+        else SpeculativeResidency(settings.speculative_ttl_s, clock=clock)
+    )
+    return Router(
+        registry=registry,
+        scorer=Scorer(index, layouts, full_only=settings.policy == "prefix_full_only"),
+        index=index,
+        policy=policy
+        or make_policy(
+            settings.policy, temperature=settings.temperature, rates=policy_rates(settings)
+        ),
+        tokenizer=tokenizer or RoutingTokenizer(settings.tokenizer),
+        speculative=speculative,
+        metrics=metrics,
+        block_size=settings.block_size,
+        hash_algo=settings.hash_algo,
+        seed=settings.seed,
+        affinity=affinity,
+    )

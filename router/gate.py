@@ -1,0 +1,76 @@
+"""What stands between a parsed OpenAI body and its decision: which instances may serve
+it (its model's pool; vLLM's 404 when no instance serves the model), whether it may go
+now (admission: a slot, a bounded wait, or 429), its LoRA adapter and its session.
+
+One function for the proxy's hot path and ``/debug/route``, so what ``/debug/route``
+explains is what a forwarded request gets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.admission import Rejected, rejected_reply
+from router.decide import RouteDecision
+from router.models import unknown_model_reply
+from router.proxy import Reply, error_reply
+
+__all__ = ["HeaderView", "route_request"]
+
+
+class HeaderView:
+    """``get`` over raw ASGI headers (lower-case names), without building a dict: most
+    requests ask it nothing (no session header configured)."""
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self._raw = raw
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        key = name.lower().encode("latin-1")
+        for k, v in self._raw:
+            if k.lower() == key:
+                return v.decode("latin-1")
+        return default
+
+
+async def route_request(
+    state: Any,
+    data: dict[str, Any],
+    kind: str,
+    headers: list[tuple[bytes, bytes]],
+    *,
+    forward: bool = True,
+    dashboard: Any = None,
+) -> RouteDecision | Reply:
+    """The decision for a request, or the reply that ends it here (404, 429, 503).
+
+    With ``forward`` the request holds an admission ticket (``decision.ticket``) until
+    its forward starts: the caller releases it if none does."""
+    model = data.get("model")
+    pool = state.models.pool(model, state.registry.healthy(), state.registry.all())
+    if pool is None:
+        return unknown_model_reply(model)
+    ticket = None
+    if forward:
+        ticket = await state.admission.admit(pool)
+        if isinstance(ticket, Rejected):
+            return rejected_reply(ticket)
+    pool = state.admission.open_instances(pool)
+    lora = state.models.adapter(model, pool)
+    session = state.affinity.session_key(HeaderView(headers), data)
+    decision = None
+    try:
+        decision = await state.router.decide(
+            data, kind, record=forward, instances=pool, lora=lora, session=session
+        )
+    finally:
+        if decision is None and ticket is not None:
+            ticket.release()  # not routed: none healthy, an error, the client gone
+    if decision is None:
+        return error_reply("no healthy instance", 503, "ServiceUnavailableError")
+    decision.ticket = ticket
+    if forward and dashboard is not None:
+        dashboard.record(decision, kind)
+    return decision
