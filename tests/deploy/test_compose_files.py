@@ -1,12 +1,13 @@
-"""docker/compose.yaml and docker/Dockerfile, checked without a Docker engine.
+"""docker/compose.yaml (production-shaped) and docker/compose.local.yaml (the same
+deployment with host networking, run for real by test_compose.py), checked without Docker.
 
 Every command of our services runs through the real ``kvroute`` CLI -- option parsing,
 typer/click validation and each command's own settings validation -- with the server's
 ``serve`` replaced by a recorder, so nothing listens. The recorded settings then have to
-line up: routers name every engine by service name and port, their events/replay
-endpoints are the ports the engines bind, the index host is the Redis service, hashing
-settings agree, health checks probe the port each service serves, only routers publish
-ports (on 127.0.0.1, each once).
+line up: routers name every engine by its address and port, their events/replay endpoints
+are the ones the engines bind, the index host is the Redis service, hashing settings agree,
+health checks probe the port each service serves, only routers (and Grafana) publish
+ports; and the local file describes the production file's deployment.
 """
 
 from __future__ import annotations
@@ -15,11 +16,7 @@ import json
 import os
 import re
 import shlex
-import shutil
-import subprocess
-import sys
 import tomllib
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,9 +29,8 @@ from typer.testing import CliRunner
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
 COMPOSE = DOCKER / "compose.yaml"
+LOCAL = DOCKER / "compose.local.yaml"
 REDIS_DEFAULT_PORT = 6379
-PACKAGES = ("events", "engine_adapter", "router", "bench", "kvroute_cli")
-PIP_WHEEL = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +41,9 @@ def compose() -> dict[str, Any]:
 
 
 def _ours(service: dict[str, Any]) -> bool:
-    return "build" in service or str(service.get("image", "")).startswith("kvroute")
+    """A service that runs ``kvroute`` (engine or router)."""
+    cmd = service.get("command") or []
+    return bool(cmd) and str(cmd[0]) in ("engine", "router")
 
 
 def _dockerfile(service: dict[str, Any]) -> Path:
@@ -63,6 +61,22 @@ class Parsed:
 
 @pytest.fixture(scope="module")
 def parsed(compose: dict[str, Any]) -> dict[str, Parsed]:
+    return _parse(compose)
+
+
+@pytest.fixture(scope="module")
+def local() -> dict[str, Any]:
+    data = yaml.safe_load(LOCAL.read_text())
+    assert isinstance(data, dict) and isinstance(data.get("services"), dict)
+    return data
+
+
+@pytest.fixture(scope="module")
+def local_parsed(local: dict[str, Any]) -> dict[str, Parsed]:
+    return _parse(local)
+
+
+def _parse(compose: dict[str, Any]) -> dict[str, Parsed]:
     """Run each of our services' command through the CLI with ``serve`` recorded."""
     import engine_adapter.sim.server as engine_server
     import router.server as router_server
@@ -118,13 +132,15 @@ def test_compose_has_redis_three_swa_engines_and_two_routers(compose, parsed):
     assert {s.profile for s in engines.values()} == {"swa-hybrid"}
 
 
-def test_every_kvroute_service_uses_the_image_built_from_our_dockerfile(compose):
-    ours = {n: s for n, s in compose["services"].items() if _ours(s)}
-    assert ours
-    for name, svc in ours.items():
-        assert "build" in svc, f"{name}: no build section"
-        assert _dockerfile(svc) == DOCKER / "Dockerfile", f"{name}: {_dockerfile(svc)}"
-        assert svc.get("image") == ours[next(iter(ours))].get("image"), "one image for all"
+def test_engines_and_routers_use_their_targets_of_our_dockerfile(compose, parsed):
+    services = compose["services"]
+    for kind in ("engine", "router"):
+        names = list(_by_kind(parsed, kind))
+        for name in names:
+            svc = services[name]
+            assert _dockerfile(svc) == DOCKER / "Dockerfile", f"{name}: {_dockerfile(svc)}"
+            assert svc["build"].get("target") == kind, f"{name}: builds {svc['build']}"
+            assert svc.get("image") == f"kvroute-{kind}:local", name
 
 
 def test_engines_publish_events_and_replay_on_all_interfaces(parsed):
@@ -249,45 +265,110 @@ def test_only_routers_and_grafana_publish_ports_on_loopback_each_once(compose, p
     assert len(host_ports) == len(set(host_ports)), f"host ports collide: {host_ports}"
 
 
-def test_dockerfile_slim_python_nonroot_entrypoint_kvroute():
+def _stages(text: str) -> dict[str, list[str]]:
+    """Instructions per build stage (FROM ... AS name), comments and blanks dropped."""
+    stages: dict[str, list[str]] = {}
+    current = ""
+    for ln in text.splitlines():
+        ln = ln.strip()
+        if not ln or ln.startswith("#"):
+            continue
+        if ln.startswith("FROM "):
+            current = ln.split()[-1] if " AS " in ln else ln.split()[1]
+            stages[current] = []
+        stages.setdefault(current, []).append(ln)
+    return stages
+
+
+def test_dockerfile_base_image_arg_targets_nonroot_entrypoint_kvroute():
     text = (DOCKER / "Dockerfile").read_text()
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
-    assert lines[0].startswith("FROM python:3.11-slim")
-    entry = [ln for ln in lines if ln.startswith("ENTRYPOINT")]
-    assert len(entry) == 1 and json.loads(entry[0].removeprefix("ENTRYPOINT")) == ["kvroute"]
-    user = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
-    assert user and user[-1] not in ("root", "0"), "the image must not run as root"
-    assert any("download.pytorch.org/whl/cpu" in ln for ln in lines), "CPU torch wheels"
-    # Every package pyproject installs is copied into the build.
+    stages = _stages(text)
+    assert stages[""][0] == "ARG BASE_IMAGE=python:3.11-slim", "public slim Python by default"
+    assert stages["runtime"][0] == "FROM ${BASE_IMAGE} AS runtime"
+    for target in ("router", "engine"):
+        lines = stages[target]
+        assert lines[0] == f"FROM runtime AS {target}", target
+        entry = [ln for ln in lines if ln.startswith("ENTRYPOINT")]
+        assert len(entry) == 1 and json.loads(entry[0].removeprefix("ENTRYPOINT")) == ["kvroute"]
+        user = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
+        assert user and user[-1] not in ("root", "0"), f"{target} must not run as root"
+        assert f"COPY --from={target}-deps /opt/kvroute /opt/kvroute" in lines, target
+    assert any("import torch" in ln for ln in stages["router"]), "router image proves no torch"
+    # The CPU torch index when no wheelhouse is given; never CUDA.
+    assert "download.pytorch.org/whl/cpu" in (DOCKER / "pip-install.sh").read_text()
+    # Every package pyproject installs is copied into the wheel's build.
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     includes = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
-    copied = {ln.split()[1] for ln in lines if ln.startswith("COPY ")}
+    copied = {ln.split()[1] for ln in stages["dist"] if ln.startswith("COPY ")}
     for pattern in includes:
         assert pattern.rstrip("*") in copied, f"Dockerfile does not COPY {pattern}"
 
 
-def test_wheel_ships_the_redis_index_lua_script(tmp_path):
-    """The image installs a wheel (not the source tree): non-Python files the code opens
-    must be package data, or the routers' Redis index fails inside the container."""
-    src = tmp_path / "src"  # build from a copy: no build/ or egg-info left in the repo
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO / name, src / name)
-    for pkg in PACKAGES:
-        shutil.copytree(REPO / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run(
-        [*PIP_WHEEL, "-w", str(tmp_path), str(src)],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-    (wheel,) = tmp_path.glob("kvroute-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
-    needed = {
-        str(p.relative_to(REPO))
-        for pkg in ("events", "engine_adapter", "router", "bench", "kvroute_cli")
-        for p in (REPO / pkg).rglob("*")
-        if p.is_file() and p.suffix in (".lua", ".json", ".yaml", ".toml", ".txt")
-    }
-    assert needed, "expected at least router/index/redis_index.lua"
-    assert needed <= names, f"missing from the wheel: {sorted(needed - names)}"
+# ---- compose.local.yaml: the same deployment, host networking, loopback ---------------------
+
+ENGINE_LOCAL_ONLY = {"host", "port", "kv_events"}
+ROUTER_LOCAL_ONLY = {"host", "port", "instances", "index"}
+
+
+def _fields(settings: Any, skip: set[str]) -> dict[str, Any]:
+    data = settings.model_dump() if hasattr(settings, "model_dump") else vars(settings)
+    return {k: v for k, v in data.items() if k not in skip}
+
+
+def test_local_stack_runs_the_production_deployment(parsed, local_parsed):
+    """Same services and the same engine and router settings, but for where they listen."""
+    for kind, skip in (("engine", ENGINE_LOCAL_ONLY), ("router", ROUTER_LOCAL_ONLY)):
+        prod, here = _by_kind(parsed, kind), _by_kind(local_parsed, kind)
+        assert set(here) == set(prod), kind
+        for name in prod:
+            assert _fields(here[name], skip) == _fields(prod[name], skip), name
+
+
+def test_local_stack_uses_host_networking_loopback_and_distinct_ports(local, local_parsed):
+    services = local["services"]
+    assert set(services) == {"redis", *local_parsed}
+    ports: list[int] = []
+    for name, svc in services.items():
+        assert svc.get("network_mode") == "host", f"{name}: no bridge networks here"
+        assert not svc.get("ports") and not svc.get("networks"), name
+        assert svc.get("healthcheck", {}).get("test"), f"{name}: no healthcheck"
+    redis_cmd = [str(a) for a in services["redis"]["command"]]
+    assert redis_cmd[redis_cmd.index("--bind") + 1] == "127.0.0.1"
+    redis_port = int(redis_cmd[redis_cmd.index("--port") + 1])
+    assert services["redis"]["image"] == "kvroute-redis:local"
+    assert redis_port != REDIS_DEFAULT_PORT, "the machine's own Redis has 6379"
+    ports.append(redis_port)
+    for name, p in local_parsed.items():
+        s = p.settings
+        assert s.host == "127.0.0.1", f"{name} binds {s.host}"
+        assert services[name]["image"] == f"kvroute-{p.command}:local", name
+        assert _health_port(services[name], name) == s.port, name
+        ports.append(s.port)
+        if p.command == "engine":
+            assert s.kv_events.endpoint.startswith("ipc:///run/kvroute/"), name
+            assert s.kv_events.replay_endpoint.startswith("tcp://127.0.0.1:"), name
+            ports.append(_endpoint_port(s.kv_events.replay_endpoint))
+        assert "ipc:/run/kvroute" in services[name].get("volumes", []), name
+    assert len(ports) == len(set(ports)), f"ports collide: {sorted(ports)}"
+    routers = _by_kind(local_parsed, "router")
+    assert sorted(r.port for r in routers.values()) == [8080, 8081]
+    assert {r.index for r in routers.values()} == {f"redis://127.0.0.1:{redis_port}/0"}
+
+
+def test_local_routers_follow_every_engine_as_it_publishes(local, local_parsed):
+    from router.config import parse_instance
+
+    engines = _by_kind(local_parsed, "engine")
+    services = local["services"]
+    for rname, r in _by_kind(local_parsed, "router").items():
+        specs = {parse_instance(t).url: parse_instance(t) for t in r.instances}
+        assert set(specs) == {f"http://127.0.0.1:{e.port}" for e in engines.values()}, rname
+        for e in engines.values():
+            spec = specs[f"http://127.0.0.1:{e.port}"]
+            assert (spec.events, spec.replay) == (
+                e.kv_events.endpoint,
+                e.kv_events.replay_endpoint,
+            ), rname
+        deps = services[rname]["depends_on"]
+        assert set(deps) == {"redis", *engines}, rname
+        assert {d["condition"] for d in deps.values()} == {"service_healthy"}
