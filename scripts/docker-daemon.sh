@@ -19,7 +19,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null 2>&1 \
     || { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null; }
-  [ -x /usr/bin/docker ] && DOCKER=/usr/bin/docker
+  kvr_pick_docker
 fi
 
 if "$DOCKER" info >/dev/null 2>&1; then

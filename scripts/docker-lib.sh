@@ -9,10 +9,13 @@ KVR_DOCKERD_LOG=${KVROUTE_DOCKERD_LOG:-/var/log/kvroute-dockerd.log}
 
 # Debian's docker CLI (20.10) has BuildKit built in; a newer CLI found first on PATH without
 # the buildx plugin only has the legacy builder (which ignores Dockerfile.dockerignore).
-if [ -n "${DOCKER:-}" ]; then :
-elif [ -x /usr/bin/docker ]; then DOCKER=/usr/bin/docker
-else DOCKER=docker
-fi
+kvr_pick_docker() {
+  if [ -n "${KVROUTE_DOCKER:-}" ]; then DOCKER=$KVROUTE_DOCKER
+  elif [ -x /usr/bin/docker ]; then DOCKER=/usr/bin/docker
+  else DOCKER=docker
+  fi
+}
+kvr_pick_docker
 export DOCKER_BUILDKIT=1
 
 kvr_log() { echo "[kvroute docker] $*" >&2; }

@@ -37,6 +37,7 @@ busy_ports() {  # ports of ours that something outside the stack already listens
 up() {
   local t0=$SECONDS
   bash scripts/docker-daemon.sh
+  kvr_pick_docker  # it may just have installed Debian's CLI
   bash scripts/docker-images.sh
   if [ -z "$(containers)" ]; then
     local busy

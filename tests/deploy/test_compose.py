@@ -115,20 +115,21 @@ def _complete(client: httpx.Client, base: str, prompt: str, stream: bool) -> htt
     return r
 
 
-def _credited(router: str, prompt: str, engine: str) -> int:
+def _credited(router: str, prompt: str, engine: str) -> int | None:
     """The GPU tokens of ``prompt`` the router's index (not its speculation) credits to
-    ``engine``: what the engine's own KV events put in the shared Redis index."""
+    ``engine``: what the engine's own KV events put in the shared Redis index. None while
+    the router's health checks have the engine down (not a candidate)."""
     r = httpx.post(f"{router}/debug/route", json=_body(prompt, False), timeout=10)
     r.raise_for_status()
-    (cand,) = [c for c in r.json()["candidates"] if c["instance"] == engine]
-    return int(cand["index_score"][0])
+    found = [c for c in r.json()["candidates"] if c["instance"] == engine]
+    return int(found[0]["index_score"][0]) if found else None
 
 
-def _wait_credit(prompt: str, engine: str, positive: bool = True, timeout: float = 20) -> None:
+def _wait_credit(prompt: str, engine: str, positive: bool = True, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while True:
         got = {router: _credited(router, prompt, engine) for router in ROUTERS}
-        if all((v > 0) == positive for v in got.values()):
+        if all(v is not None and (v > 0) == positive for v in got.values()):
             return
         assert time.monotonic() < deadline, f"{engine}: credited {got}, want > 0: {positive}"
         time.sleep(0.2)
