@@ -38,7 +38,9 @@ up() {
   local t0=$SECONDS
   bash scripts/docker-daemon.sh
   kvr_pick_docker  # it may just have installed Debian's CLI
+  kvr_log "Docker engine ready after $((SECONDS - t0)) s"
   bash scripts/docker-images.sh
+  kvr_log "images ready after $((SECONDS - t0)) s"
   if [ -z "$(containers)" ]; then
     local busy
     busy=$(busy_ports)
