@@ -37,10 +37,12 @@ rootfs_tar() {  # $1 name, $2 packages: a trimmed debootstrap root as a cached t
   echo "$tar"
 }
 
-import_rootfs() {  # $1 tarball -> image named after it
+import_rootfs() {  # $1 tarball -> image named after it, with the PATH a shell expects
   local image
-  image="kvroute-base-$(basename "$1" .tar | sed 's/-\([0-9a-f]*\)$/:\1/')"
-  have_image "$image" || "$DOCKER" import "$1" "$image" >/dev/null
+  image="kvroute-base-$(basename "$1" .tar | sed 's/-\([0-9a-f]*\)$/:\1/')-p"
+  have_image "$image" || "$DOCKER" import \
+    --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+    "$1" "$image" >/dev/null
   echo "$image"
 }
 
