@@ -7,8 +7,7 @@ set -euo pipefail
 . "$(dirname "$0")/docker-lib.sh"
 
 missing=()
-command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
-[ -x /usr/bin/docker ] || missing+=(docker.io)
+command -v dockerd >/dev/null 2>&1 && [ -x /usr/bin/docker ] || missing+=(docker.io)
 command -v docker-compose >/dev/null 2>&1 || "$DOCKER" compose version >/dev/null 2>&1 \
   || missing+=(docker-compose)
 command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
