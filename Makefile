@@ -1,4 +1,4 @@
-.PHONY: demo test setup lint bench-hash
+.PHONY: demo test setup lint bench-hash compose-up compose-down
 
 setup:
 	bash scripts/setup.sh
@@ -14,3 +14,10 @@ lint:
 
 bench-hash: setup
 	.venv/bin/kvroute bench hash
+
+# The Compose stack on this machine (docker/compose.local.yaml; README "Docker").
+compose-up:
+	bash scripts/docker-stack.sh up
+
+compose-down:
+	bash scripts/docker-stack.sh down

@@ -1,293 +1,306 @@
-"""docker/compose.yaml and docker/Dockerfile, checked without a Docker engine.
+"""The Compose stack for real: docker/compose.local.yaml brought up by
+``scripts/docker-stack.sh up`` (what ``make compose-up`` runs: installs Docker when missing,
+starts dockerd, builds the images from a debootstrap'ed base and a wheelhouse when no
+registry is reachable), driven over HTTP through both routers, one engine container
+stopped under load and started again, then torn down.
 
-Every command of our services runs through the real ``kvroute`` CLI -- option parsing,
-typer/click validation and each command's own settings validation -- with the server's
-``serve`` replaced by a recorder, so nothing listens. The recorded settings then have to
-line up: routers name every engine by service name and port, their events/replay
-endpoints are the ports the engines bind, the index host is the Redis service, hashing
-settings agree, health checks probe the port each service serves, only routers publish
-ports (on 127.0.0.1, each once).
+Cold (no images, no cache) this takes a few minutes: the debootstrap roots and the
+wheelhouse are cached under ~/.cache/kvroute/docker, the images by Docker; warm, the stack is
+up in about half a minute.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import shlex
+import logging
 import shutil
 import subprocess
-import sys
-import tomllib
-import zipfile
-from dataclasses import dataclass
+import threading
+import time
+import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
+import httpx
 import pytest
 import yaml
-from typer.testing import CliRunner
 
 REPO = Path(__file__).resolve().parents[2]
-DOCKER = REPO / "docker"
-COMPOSE = DOCKER / "compose.yaml"
-REDIS_DEFAULT_PORT = 6379
-PACKAGES = ("events", "engine_adapter", "router", "bench", "kvroute_cli")
-PIP_WHEEL = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+STACK = REPO / "scripts" / "docker-stack.sh"
+LOCAL = REPO / "docker" / "compose.local.yaml"
+PROJECT = "kvroute-local"
+ROUTERS = ("http://127.0.0.1:8080", "http://127.0.0.1:8081")
+MODEL = "kvroute-sim"
+log = logging.getLogger(__name__)
+pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def compose() -> dict[str, Any]:
-    data = yaml.safe_load(COMPOSE.read_text())  # safe_load resolves anchors and << merges
-    assert isinstance(data, dict) and isinstance(data.get("services"), dict)
-    return data
+def _docker() -> str:
+    return "/usr/bin/docker" if Path("/usr/bin/docker").exists() else shutil.which("docker") or ""
 
 
-def _ours(service: dict[str, Any]) -> bool:
-    return "build" in service or str(service.get("image", "")).startswith("kvroute")
+def _docker_run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [_docker(), *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
-def _dockerfile(service: dict[str, Any]) -> Path:
-    build = service["build"]
-    context = (COMPOSE.parent / (build if isinstance(build, str) else build["context"])).resolve()
-    name = "Dockerfile" if isinstance(build, str) else build.get("dockerfile", "Dockerfile")
-    return context / name
-
-
-@dataclass
-class Parsed:
-    command: str  # engine | router
-    settings: Any  # EngineSettings | RouterSettings, as the command would serve them
-
-
-@pytest.fixture(scope="module")
-def parsed(compose: dict[str, Any]) -> dict[str, Parsed]:
-    """Run each of our services' command through the CLI with ``serve`` recorded."""
-    import engine_adapter.sim.server as engine_server
-    import router.server as router_server
-    from kvroute_cli.main import app
-
-    mp = pytest.MonkeyPatch()
-    out: dict[str, Parsed] = {}
-    try:
-        for key in [k for k in os.environ if k.startswith("KVROUTE_")]:
-            mp.delenv(key)  # the compose file alone must configure the services
-        for name, svc in compose["services"].items():
-            if not _ours(svc):
-                continue
-            cmd = svc.get("command")
-            assert isinstance(cmd, list) and cmd, f"{name}: command must be an exec-form list"
-            calls: list[Parsed] = []
-            mp.setattr(
-                engine_server,
-                "serve",
-                lambda s, log_level="info", _c=calls: _c.append(Parsed("engine", s)),
-            )
-            mp.setattr(router_server, "serve", lambda s, _c=calls: _c.append(Parsed("router", s)))
-            result = CliRunner().invoke(app, [str(a) for a in cmd])
-            assert result.exit_code == 0, (
-                f"{name}: `kvroute {shlex.join(map(str, cmd))}` is not a valid invocation:\n"
-                f"{result.output}\n{result.exception!r}"
-            )
-            assert len(calls) == 1 and calls[0].command == cmd[0], f"{name}: {calls}"
-            out[name] = calls[0]
-    finally:
-        mp.undo()
+def _engines() -> dict[str, str]:
+    """Engine service -> its URL, from the compose file (``--port=P`` on loopback)."""
+    out = {}
+    for name, svc in yaml.safe_load(LOCAL.read_text())["services"].items():
+        cmd = [str(a) for a in svc.get("command") or []]
+        if cmd and cmd[0] == "engine":
+            port = next(a.split("=", 1)[1] for a in cmd if a.startswith("--port="))
+            out[name] = f"http://127.0.0.1:{port}"
     return out
 
 
-def _by_kind(parsed: dict[str, Parsed], kind: str) -> dict[str, Any]:
-    return {name: p.settings for name, p in parsed.items() if p.command == kind}
+ENGINES = _engines()
 
 
-def _endpoint_port(endpoint: str) -> int:
-    m = re.fullmatch(r"tcp://([^:]+):(\d+)", endpoint)
-    assert m, f"not a tcp://host:port endpoint: {endpoint!r}"
-    return int(m.group(2))
-
-
-def test_compose_has_redis_three_swa_engines_and_two_routers(compose, parsed):
-    engines = _by_kind(parsed, "engine")
-    routers = _by_kind(parsed, "router")
-    redis = [
-        n for n, s in compose["services"].items() if str(s.get("image", "")).startswith("redis:")
-    ]
-    assert len(redis) == 1
-    assert len(engines) == 3 and len(routers) == 2
-    assert {s.profile for s in engines.values()} == {"swa-hybrid"}
-
-
-def test_every_kvroute_service_uses_the_image_built_from_our_dockerfile(compose):
-    ours = {n: s for n, s in compose["services"].items() if _ours(s)}
-    assert ours
-    for name, svc in ours.items():
-        assert "build" in svc, f"{name}: no build section"
-        assert _dockerfile(svc) == DOCKER / "Dockerfile", f"{name}: {_dockerfile(svc)}"
-        assert svc.get("image") == ours[next(iter(ours))].get("image"), "one image for all"
-
-
-def test_engines_publish_events_and_replay_on_all_interfaces(parsed):
-    for name, s in _by_kind(parsed, "engine").items():
-        assert s.host == "0.0.0.0", f"{name}: other containers cannot reach {s.host}"
-        ev = s.kv_events
-        assert ev is not None and ev.enable_kv_cache_events, f"{name}: KV events disabled"
-        assert ev.endpoint.startswith("tcp://*:"), f"{name}: {ev.endpoint} must bind"
-        assert ev.replay_endpoint and ev.replay_endpoint.startswith("tcp://*:"), name
-        ports = {s.port, _endpoint_port(ev.endpoint), _endpoint_port(ev.replay_endpoint)}
-        assert len(ports) == 3, f"{name}: HTTP, events and replay ports must differ: {ports}"
-
-
-def test_router_instances_name_engine_services_ports_and_endpoints(parsed):
-    from router.config import parse_instance
-
-    engines = _by_kind(parsed, "engine")
-    routers = _by_kind(parsed, "router")
-    for rname, r in routers.items():
-        assert r.host == "0.0.0.0", f"{rname}: published port would not reach {r.host}"
-        seen = set()
-        for text in r.instances:
-            spec = parse_instance(text)
-            url = urlparse(spec.url)
-            host = url.hostname
-            assert host in engines, f"{rname}: {spec.url} is not an engine service"
-            eng = engines[host]
-            assert url.port == eng.port, f"{rname}: {spec.url} but {host} serves :{eng.port}"
-            for ep, bound in (
-                (spec.events, eng.kv_events.endpoint),
-                (spec.replay, eng.kv_events.replay_endpoint),
-            ):
-                assert ep is not None, f"{rname}: {text} lacks an events/replay endpoint"
-                assert urlparse(ep.replace("tcp://", "http://")).hostname == host, (rname, ep)
-                assert _endpoint_port(ep) == _endpoint_port(bound), (
-                    f"{rname}: {ep} but {host} binds {bound}"
-                )
-            seen.add(host)
-        assert seen == set(engines), f"{rname} routes to {sorted(seen)}, not every engine"
-
-
-def test_routers_share_the_redis_service_as_index(compose, parsed):
-    services = compose["services"]
-    routers = _by_kind(parsed, "router")
-    indexes = {r.index for r in routers.values()}
-    assert len(indexes) == 1, f"replicas must share one index: {indexes}"
-    url = urlparse(indexes.pop())
-    assert url.scheme == "redis"
-    assert str(services.get(url.hostname, {}).get("image", "")).startswith("redis:"), url
-    redis_cmd = [str(a) for a in services[url.hostname].get("command") or []]
-    port = int(redis_cmd[redis_cmd.index("--port") + 1]) if "--port" in redis_cmd else 6379
-    assert (url.port or REDIS_DEFAULT_PORT) == port
-
-
-def test_router_hashing_and_model_agree_with_every_engine(parsed):
-    from engine_adapter.profiles import get_profile
-
-    engines = _by_kind(parsed, "engine")
-    for rname, r in _by_kind(parsed, "router").items():
-        for ename, e in engines.items():
-            # The router learns block sizes from events; its default must still agree.
-            engine_bs = get_profile(e.profile, block_size=e.block_size, layout=e.layout).block_size
-            assert r.block_size == engine_bs, (rname, ename)
-            assert r.hash_algo == e.hash_algo, (rname, ename)
-            assert r.seed == e.seed, (rname, ename)
-            assert r.model == e.model, (rname, ename)
-            if e.profile == "swa-hybrid":
-                assert r.default_layout == f"swa:{e.sliding_window}", (rname, r.default_layout)
-
-
-def _health_port(service: dict[str, Any], name: str) -> int:
-    test = service.get("healthcheck", {}).get("test")
-    assert isinstance(test, list) and test[0] == "CMD", f"{name}: healthcheck must be CMD form"
-    if test[1] == "python":
-        code = test[test.index("-c") + 1]
-        compile(code, f"{name}-healthcheck", "exec")  # valid Python, at least
-        m = re.search(r"http://(?:127\.0\.0\.1|localhost):(\d+)/health\b", code)
-        assert m, f"{name}: healthcheck does not probe /health on loopback: {code}"
-        return int(m.group(1))
-    raise AssertionError(f"{name}: unexpected healthcheck {test}")
-
-
-def test_healthchecks_probe_the_port_each_service_serves(compose, parsed):
-    services = compose["services"]
-    for name, p in parsed.items():
-        assert _health_port(services[name], name) == p.settings.port, name
-    for name, svc in services.items():
-        if not _ours(svc):
-            assert svc.get("healthcheck", {}).get("test"), f"{name}: no healthcheck"
-
-
-def test_routers_start_after_redis_and_engines_are_healthy(compose, parsed):
-    services = compose["services"]
-    engines = set(_by_kind(parsed, "engine"))
-    for rname, r in _by_kind(parsed, "router").items():
-        deps = services[rname].get("depends_on")
-        assert isinstance(deps, dict), f"{rname}: depends_on needs conditions"
-        redis = urlparse(r.index).hostname
-        assert set(deps) >= engines | {redis}, f"{rname}: depends on {sorted(deps)}"
-        for dep, cond in deps.items():
-            assert cond.get("condition") == "service_healthy", (rname, dep)
-            assert services[dep].get("healthcheck"), f"{dep} has no healthcheck to wait for"
-
-
-def test_only_routers_and_grafana_publish_ports_on_loopback_each_once(compose, parsed):
-    services = compose["services"]
-    routers = _by_kind(parsed, "router")
-    # The operator's UIs: routers (API, /dashboard) and Grafana (on its default port).
-    published = {**{name: s.port for name, s in routers.items()}, "grafana": 3000}
-    host_ports: list[int] = []
-    for name, svc in services.items():
-        ports = svc.get("ports") or []
-        if name not in published:
-            assert not ports, f"{name} must not be published"
-            continue
-        assert ports, f"{name} not published"
-        for entry in ports:
-            ip, host, container = str(entry).split(":")
-            assert ip == "127.0.0.1", f"{name}: {entry} must bind loopback"
-            assert int(container) == published[name], f"{name}: {entry}"
-            host_ports.append(int(host))
-    assert len(host_ports) == len(set(host_ports)), f"host ports collide: {host_ports}"
-
-
-def test_dockerfile_slim_python_nonroot_entrypoint_kvroute():
-    text = (DOCKER / "Dockerfile").read_text()
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
-    assert lines[0].startswith("FROM python:3.11-slim")
-    entry = [ln for ln in lines if ln.startswith("ENTRYPOINT")]
-    assert len(entry) == 1 and json.loads(entry[0].removeprefix("ENTRYPOINT")) == ["kvroute"]
-    user = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
-    assert user and user[-1] not in ("root", "0"), "the image must not run as root"
-    assert any("download.pytorch.org/whl/cpu" in ln for ln in lines), "CPU torch wheels"
-    # Every package pyproject installs is copied into the build.
-    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    includes = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
-    copied = {ln.split()[1] for ln in lines if ln.startswith("COPY ")}
-    for pattern in includes:
-        assert pattern.rstrip("*") in copied, f"Dockerfile does not COPY {pattern}"
-
-
-def test_wheel_ships_the_redis_index_lua_script(tmp_path):
-    """The image installs a wheel (not the source tree): non-Python files the code opens
-    must be package data, or the routers' Redis index fails inside the container."""
-    src = tmp_path / "src"  # build from a copy: no build/ or egg-info left in the repo
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO / name, src / name)
-    for pkg in PACKAGES:
-        shutil.copytree(REPO / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run(
-        [*PIP_WHEEL, "-w", str(tmp_path), str(src)],
-        check=True,
-        capture_output=True,
-        timeout=120,
+def _container(service: str) -> str:
+    r = _docker_run(
+        "ps",
+        "-aq",
+        "--filter",
+        f"label=com.docker.compose.project={PROJECT}",
+        "--filter",
+        f"label=com.docker.compose.service={service}",
     )
-    (wheel,) = tmp_path.glob("kvroute-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
-    needed = {
-        str(p.relative_to(REPO))
-        for pkg in ("events", "engine_adapter", "router", "bench", "kvroute_cli")
-        for p in (REPO / pkg).rglob("*")
-        if p.is_file() and p.suffix in (".lua", ".json", ".yaml", ".toml", ".txt")
-    }
-    assert needed, "expected at least router/index/redis_index.lua"
-    assert needed <= names, f"missing from the wheel: {sorted(needed - names)}"
+    ids = r.stdout.split()
+    assert len(ids) == 1, f"{service}: containers {ids} ({r.stderr})"
+    return ids[0]
+
+
+def _stack(cmd: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(STACK), cmd], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def stack() -> Any:
+    t0 = time.monotonic()
+    up = _stack("up", timeout=840)
+    assert up.returncode == 0, f"docker-stack.sh up failed:\n{up.stderr[-6000:]}"
+    assert up.stdout.split() == list(ROUTERS), up.stdout  # the router URLs it prints
+    log.info("stack up in %.0f s", time.monotonic() - t0)
+    try:
+        yield
+    finally:
+        _stack("down", timeout=180)
+
+
+def _body(prompt: str, stream: bool, max_tokens: int = 8) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream}
+
+
+def _complete(client: httpx.Client, base: str, prompt: str, stream: bool) -> httpx.Response:
+    """One completion; raises AssertionError unless it was answered in full."""
+    if not stream:
+        r = client.post(f"{base}/v1/completions", json=_body(prompt, False))
+        assert r.status_code == 200, (r.status_code, r.text[:300])
+        choice = r.json()["choices"][0]
+        assert choice["text"] and choice["finish_reason"], r.text[:300]
+        return r
+    with client.stream("POST", f"{base}/v1/completions", json=_body(prompt, True)) as r:
+        assert r.status_code == 200, (r.status_code, r.read()[:300])
+        data = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert data and data[-1] == "[DONE]", data[-3:]
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert chunks and not any("error" in c for c in chunks), chunks[-1:]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")), chunks
+    return r
+
+
+def _credited(router: str, prompt: str, engine: str) -> int | None:
+    """The GPU tokens of ``prompt`` the router's index (not its speculation) credits to
+    ``engine``: what the engine's own KV events put in the shared Redis index. None while
+    the router's health checks have the engine down (not a candidate)."""
+    r = httpx.post(f"{router}/debug/route", json=_body(prompt, False), timeout=10)
+    r.raise_for_status()
+    found = [c for c in r.json()["candidates"] if c["instance"] == engine]
+    return int(found[0]["index_score"][0]) if found else None
+
+
+def _wait_credit(prompt: str, engine: str, positive: bool = True, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = {router: _credited(router, prompt, engine) for router in ROUTERS}
+        if all(v is not None and (v > 0) == positive for v in got.values()):
+            return
+        assert time.monotonic() < deadline, f"{engine}: credited {got}, want > 0: {positive}"
+        time.sleep(0.2)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _prompt(tag: str) -> str:
+    return f"{tag} {uuid.uuid4().hex} " + "the quick brown fox jumps over the lazy dog " * 12
+
+
+@pytest.mark.timeout(900)
+def test_router_image_has_no_torch_and_engine_image_has_cpu_torch(stack):
+    sizes = {}
+    for kind in ("router", "engine", "redis"):
+        r = _docker_run("image", "inspect", "-f", "{{.Size}}", f"kvroute-{kind}:local")
+        sizes[kind] = int(r.stdout) / 1e6
+    log.info("image sizes (MB): %s", {k: round(v) for k, v in sizes.items()})
+    code = "import importlib.util as u; print(u.find_spec('torch') is not None)"
+    probe = ("run", "--rm", "--network", "none", "--entrypoint", "python")
+    r = _docker_run(*probe, "kvroute-router:local", "-c", code)
+    assert r.stdout.strip() == "False", (r.stdout, r.stderr)
+    r = _docker_run(*probe, "kvroute-engine:local", "-c", "import torch; print(torch.__version__)")
+    assert r.stdout.strip() == "2.13.0+cpu", (r.stdout, r.stderr)
+    assert sizes["router"] < sizes["engine"] / 3, sizes
+    status = _stack("status", timeout=30).stdout.split("\n")
+    assert sorted(ln for ln in status if ln) == sorted(
+        f"{s} running healthy" for s in ("redis", *ENGINES, "router-0", "router-1")
+    )
+
+
+@pytest.mark.timeout(300)
+def test_both_routers_answer_and_credit_hits_from_every_engines_events(stack):
+    """A prompt cached on each engine (sent to it directly) is credited by both routers
+    through the shared Redis index, and a repeat through either router goes to that engine
+    and is served from its cache; streaming and non-streaming both answered."""
+    prompts = {name: _prompt(name) for name in ENGINES}
+    with httpx.Client(timeout=30) as client:
+        for name, url in ENGINES.items():
+            _complete(client, url, prompts[name], stream=False)
+        for name, url in ENGINES.items():
+            _wait_credit(prompts[name], url)
+        answered = 0
+        for i, (name, url) in enumerate(ENGINES.items()):
+            for j, router in enumerate(ROUTERS):
+                stream = (i + j) % 2 == 1
+                r = _complete(client, router, prompts[name], stream)
+                answered += 1
+                assert r.headers["x-kvroute-instance"] == url, (router, name)
+                assert int(r.headers["x-kvroute-predicted-hit"]) > 0, (router, name)
+                if not stream:
+                    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    log.info("credit check: %d routed repeats answered from their holder", answered)
+
+
+class Load:
+    """Requests through both routers from a few threads, streaming and not, until stopped:
+    every one must be answered in full."""
+
+    def __init__(self, threads: int = 6) -> None:
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.sent = self.answered = 0
+        self.failures: list[str] = []
+        self.done_at: list[float] = []
+        self.by_engine: Counter[str] = Counter()
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(threads)]
+
+    def _run(self, worker: int) -> None:
+        prefixes = [_prompt(f"load-{k}") for k in range(4)]
+        with httpx.Client(timeout=60) as client:
+            n = 0
+            while not self.stop.is_set():
+                router = ROUTERS[(worker + n) % 2]
+                prompt = f"{prefixes[n % 4]} worker {worker} turn {n}"
+                with self.lock:
+                    self.sent += 1
+                try:
+                    r = _complete(client, router, prompt, stream=n % 2 == 0)
+                except (AssertionError, httpx.HTTPError) as exc:
+                    with self.lock:
+                        self.failures.append(f"{router}: {exc!r}"[:300])
+                else:
+                    with self.lock:
+                        self.answered += 1
+                        self.done_at.append(time.monotonic())
+                        self.by_engine[r.headers.get("x-kvroute-instance", "?")] += 1
+                n += 1
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=90)
+
+    def wait_answered(self, n: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while self.answered < n:
+            assert time.monotonic() < deadline, f"only {self.answered} answered: {self.failures}"
+            time.sleep(0.05)
+
+
+@pytest.mark.timeout(300)
+def test_engine_container_stopped_under_load_loses_nothing_and_its_index_is_rebuilt(stack):
+    name = "engine-1"
+    url, container = ENGINES[name], _container(name)
+    before = _prompt("before-stop")
+    httpx.post(f"{url}/v1/completions", json=_body(before, False), timeout=30).raise_for_status()
+    _wait_credit(before, url)
+
+    t0 = time.monotonic()
+    with Load() as load:
+        load.wait_answered(20)
+        stopped_at = time.monotonic()
+        r = _docker_run("stop", "-t", "20", container, timeout=60)
+        assert r.returncode == 0, r.stderr
+        stop_s = time.monotonic() - stopped_at
+        load.wait_answered(load.answered + 40)  # served by the other two meanwhile
+        r = _docker_run("start", container)
+        assert r.returncode == 0, r.stderr
+        deadline = time.monotonic() + 90
+        while not _healthy(url):
+            assert time.monotonic() < deadline, f"{name} did not come back"
+            time.sleep(0.2)
+        restarted_at = time.monotonic()
+        # The restarted engine's first batches reset its entries (a new publisher
+        # incarnation) and the routers send it traffic again.
+        after = _prompt("after-restart")
+        httpx.post(f"{url}/v1/completions", json=_body(after, False), timeout=30)
+        _wait_credit(after, url)
+        _wait_credit(before, url, positive=False)  # its old cache is gone: not credited
+        load.wait_answered(load.answered + 30)
+    elapsed = time.monotonic() - t0
+    during = sum(stopped_at <= t <= restarted_at for t in load.done_at)
+    log.info(
+        "under load: sent %d, answered %d, lost %d in %.1f s (stop took %.1f s, %d answered "
+        "while %s was down or restarting); per engine %s",
+        load.sent,
+        load.answered,
+        len(load.failures),
+        elapsed,
+        stop_s,
+        during,
+        name,
+        dict(load.by_engine),
+    )
+    assert not load.failures, load.failures[:5]
+    assert load.answered == load.sent
+    assert during >= 40
+    assert set(load.by_engine) == set(ENGINES.values()), load.by_engine
+
+
+@pytest.mark.timeout(300)
+def test_compose_down_removes_every_container_and_volume(stack):
+    t0 = time.monotonic()
+    down = _stack("down", timeout=180)
+    assert down.returncode == 0, down.stderr
+    log.info("stack down in %.1f s", time.monotonic() - t0)
+    r = _docker_run("ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}")
+    assert r.returncode == 0 and not r.stdout.strip(), r.stdout
+    r = _docker_run("volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}")
+    assert r.returncode == 0 and not r.stdout.strip(), r.stdout
+    for router in ROUTERS:
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{router}/health", timeout=2)
