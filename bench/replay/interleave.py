@@ -27,11 +27,11 @@ from typing import Any
 import aiohttp
 import httpx
 
-from bench.chaos.procs import free_port
 from bench.replay.config import EngineConfig, ReplayConfig, parse_router
 from bench.replay.procs import Proc, running_engines, running_router, spawn, wait_healthy
 from bench.replay.records import percentile
 from bench.replay.trace import block_text
+from stack.procs import free_port
 
 __all__ = ["proxy_overhead"]
 
