@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from stack.procs import EventForwarder, Fleet, Proc, child_pids, free_port
@@ -17,12 +18,14 @@ __all__ = [
     "EventForwarder",
     "Proc",
     "child_pids",
+    "debug_route",
     "engines",
     "free_port",
     "send_turns",
     "start_engine",
     "start_redis",
     "start_router",
+    "wait_until",
 ]
 
 
@@ -85,3 +88,23 @@ def send_turns(router_url: str, prompt: str, turns: int = 3) -> str:
         assert r.status_code == 200, r.text
         holder = r.headers["x-kvroute-instance"]
     return holder
+
+
+def wait_until(cond: Callable[[], object], timeout: float = 20.0, what: str = "condition"):
+    """Poll ``cond()`` until it returns something truthy; return that (or fail naming
+    ``what``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := cond():
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def debug_route(router: Proc, body: dict, headers: dict | None = None) -> dict:
+    """The router's ``/debug/route`` answer for an OpenAI body (asserting a 200)."""
+    import httpx
+
+    r = httpx.post(f"{router.url}/debug/route", json=body, headers=headers, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()

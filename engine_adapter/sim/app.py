@@ -257,13 +257,20 @@ def create_app(
 
     # /tokenize and generation share these, so /tokenize returns exactly what is hashed.
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        req = await _parse(request, CompletionRequest)
+    async def _generate(request: Request, kind: str) -> Response:
+        """One OpenAI generation request: parse, vLLM's checks (model, length, DP rank),
+        then run it, streamed or not; ``kind`` is "completion" or "chat"."""
+        req = await _parse(
+            request, CompletionRequest if kind == "completion" else ChatCompletionRequest
+        )
         if isinstance(req, JSONResponse):
             return req
-        assert isinstance(req, CompletionRequest)
-        ids = _prompt_ids(req.prompt)
+        assert isinstance(req, CompletionRequest | ChatCompletionRequest)
+        ids = (
+            _prompt_ids(req.prompt)
+            if isinstance(req, CompletionRequest)
+            else _chat_ids(req.messages)
+        )
         out = _check(req.model, ids, req.output_len)
         if isinstance(out, JSONResponse):
             return out
@@ -271,33 +278,16 @@ def create_app(
             return rank
         usage = bool(req.stream_options and req.stream_options.include_usage)
         return await _run(
-            "completion",
-            ids,
-            out,
-            req.stream,
-            usage,
-            req.forced_token,
-            req.cache_salt,
-            req.model,
-            rank,
+            kind, ids, out, req.stream, usage, req.forced_token, req.cache_salt, req.model, rank
         )
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(request, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        req = await _parse(request, ChatCompletionRequest)
-        if isinstance(req, JSONResponse):
-            return req
-        assert isinstance(req, ChatCompletionRequest)
-        ids = _chat_ids(req.messages)
-        out = _check(req.model, ids, req.output_len)
-        if isinstance(out, JSONResponse):
-            return out
-        if isinstance(rank := _rank(request), JSONResponse):
-            return rank
-        usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _run(
-            "chat", ids, out, req.stream, usage, req.forced_token, req.cache_salt, req.model, rank
-        )
+        return await _generate(request, "chat")
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

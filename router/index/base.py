@@ -23,6 +23,7 @@ __all__ = [
     "ApplyResult",
     "BlockIndex",
     "Residency",
+    "SeqBatch",
     "Tier",
     "columns_from_rows",
     "group_tier",
@@ -41,6 +42,9 @@ class Tier(IntEnum):
 
 
 NUM_TIERS = 2
+
+# One batch of an instance's stream with its sequence number (None: no replay cursor).
+SeqBatch = tuple[KVEventBatch, int | None]
 
 # slot -> bitmask over the request's block positions (bit i <=> block_hashes[i] resident).
 # A slot is one (KV cache group, tier) column, packed into an int because it keys the
@@ -97,11 +101,7 @@ class BlockIndex(Protocol):
         ...
 
     async def apply_many(
-        self,
-        instance: str,
-        items: Sequence[tuple[KVEventBatch, int | None]],
-        *,
-        reset: bool = False,
+        self, instance: str, items: Sequence[SeqBatch], *, reset: bool = False
     ) -> list[ApplyResult]:
         """``apply`` each ``(batch, seq)`` in order, ``reset`` with the first only; one
         result per item. What a backlog of batches costs: shared backends send them in one

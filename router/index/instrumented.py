@@ -11,7 +11,7 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 from events.structs import KVEventBatch
-from router.index.base import ApplyResult, BlockIndex, Residency
+from router.index.base import ApplyResult, BlockIndex, Residency, SeqBatch
 
 __all__ = ["IndexMetrics", "InstrumentedIndex"]
 
@@ -63,11 +63,7 @@ class InstrumentedIndex:
         return res
 
     async def apply_many(
-        self,
-        instance: str,
-        items: Sequence[tuple[KVEventBatch, int | None]],
-        *,
-        reset: bool = False,
+        self, instance: str, items: Sequence[SeqBatch], *, reset: bool = False
     ) -> list[ApplyResult]:
         t0 = time.perf_counter()
         results = await self.inner.apply_many(instance, items, reset=reset)

@@ -26,6 +26,7 @@ from events.structs import AllBlocksCleared, BlockRemoved, BlockStored, KVEventB
 from router.index.base import (
     ApplyResult,
     Residency,
+    SeqBatch,
     columns_from_rows,
     slot_of,
     tier_of,
@@ -66,11 +67,7 @@ class MemoryIndex:
         return self.apply_sync(instance, batch, seq=seq, reset=reset)
 
     async def apply_many(
-        self,
-        instance: str,
-        items: Sequence[tuple[KVEventBatch, int | None]],
-        *,
-        reset: bool = False,
+        self, instance: str, items: Sequence[SeqBatch], *, reset: bool = False
     ) -> list[ApplyResult]:
         # Through ``apply`` rather than ``apply_sync``: wrappers and test doubles that
         # override ``apply`` (fault injection) see every batch.

@@ -35,6 +35,7 @@ from events.structs import AllBlocksCleared, BlockRemoved, BlockStored, KVEventB
 from router.index.base import (
     ApplyResult,
     Residency,
+    SeqBatch,
     columns_from_rows,
     slot_of,
     tier_of,
@@ -127,11 +128,7 @@ class RedisIndex:
         return res
 
     async def apply_many(
-        self,
-        instance: str,
-        items: Sequence[tuple[KVEventBatch, int | None]],
-        *,
-        reset: bool = False,
+        self, instance: str, items: Sequence[SeqBatch], *, reset: bool = False
     ) -> list[ApplyResult]:
         """One pipeline of apply calls: one round trip for a backlog. Not a transaction --
         each call is atomic and readers may see the batches land one by one, as with

@@ -5,15 +5,9 @@ from __future__ import annotations
 import time
 
 import httpx
-from kvtest import engines, start_router
+from kvtest import debug_route, engines, start_router
 
 FAST = ("--profile", "full", "--time-scale", "50")
-
-
-def _debug(router, body: dict, headers: dict | None = None) -> dict:
-    r = httpx.post(f"{router.url}/debug/route", json=body, headers=headers, timeout=10)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def test_a_session_stays_on_its_instance_until_another_is_cheaper_by_more_than_the_bound(
@@ -42,7 +36,7 @@ def test_a_session_stays_on_its_instance_until_another_is_cheaper_by_more_than_t
                     timeout=30,
                 )
                 assert r.headers["x-kvroute-instance"] == home
-            view = _debug(tight, {"prompt": "next"}, s1)["affinity"]
+            view = debug_route(tight, {"prompt": "next"}, s1)["affinity"]
             assert view["pinned"] == home and view["outcome"] == "kept"
             # A long prompt the other instance has cached: staying would cost ~0.2 s of
             # prefill, over the 0.05 s bound, so the session moves.
@@ -51,14 +45,14 @@ def test_a_session_stays_on_its_instance_until_another_is_cheaper_by_more_than_t
             assert r.status_code == 200
 
             def other_holds() -> bool:
-                cands = _debug(tight, {"prompt": long})["candidates"]
+                cands = debug_route(tight, {"prompt": long})["candidates"]
                 return any(c["instance"] == other.url and c["gpu_tokens"] > 0 for c in cands)
 
             deadline = time.monotonic() + 15
             while not other_holds():
                 assert time.monotonic() < deadline, "the router never saw the cached prompt"
                 time.sleep(0.1)
-            moved = _debug(tight, {"prompt": long}, s1)
+            moved = debug_route(tight, {"prompt": long}, s1)
             assert moved["instance"] == other.url
             assert moved["affinity"]["outcome"] == "moved"
             assert moved["affinity"]["extra_ttft_s"] > 0.05
@@ -66,17 +60,17 @@ def test_a_session_stays_on_its_instance_until_another_is_cheaper_by_more_than_t
             r = httpx.post(
                 f"{tight.url}/v1/completions", json={"prompt": "u", "user": "alice"}, timeout=30
             )
-            alice = _debug(tight, {"prompt": long, "user": "alice"})["affinity"]
+            alice = debug_route(tight, {"prompt": long, "user": "alice"})["affinity"]
             assert alice["pinned"] == r.headers["x-kvroute-instance"]
             # A loose bound keeps the session even so (header default X-Session-ID in YAML).
             r = httpx.post(
                 f"{loose.url}/v1/completions", json={"prompt": "turn 0"}, headers=s1, timeout=30
             )
             pinned = r.headers["x-kvroute-instance"]
-            kept = _debug(loose, {"prompt": long}, s1)
+            kept = debug_route(loose, {"prompt": long}, s1)
             assert kept["instance"] == pinned and kept["affinity"]["outcome"] in ("kept",)
             assert "kvroute_router_session_affinity_total" in httpx.get(f"{tight.url}/metrics").text
-            assert _debug(tight, {"prompt": "no session"})["affinity"] is None
+            assert debug_route(tight, {"prompt": "no session"})["affinity"] is None
         finally:
             tight.stop()
             loose.stop()

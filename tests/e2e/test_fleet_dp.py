@@ -9,7 +9,7 @@ import socket
 import time
 
 import httpx
-from kvtest import start_router
+from kvtest import debug_route, start_router
 
 from stack.procs import KVROUTE, Proc
 
@@ -46,12 +46,6 @@ def _dp_engine(tmp_path, size: int) -> tuple[Proc, dict]:
     return eng.launch().wait_ready(), cfg
 
 
-def _debug(router, body: dict) -> dict:
-    r = httpx.post(f"{router.url}/debug/route", json=body, timeout=10)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def test_each_rank_is_a_target_and_requests_reach_the_rank_that_holds_their_prefix(tmp_path):
     eng, cfg = _dp_engine(tmp_path, 2)
     try:
@@ -78,7 +72,9 @@ def test_each_rank_is_a_target_and_requests_reach_the_rank_that_holds_their_pref
             assert r.status_code == 200
             deadline = time.monotonic() + 15
             while True:
-                cands = {c["instance"]: c for c in _debug(router, {"prompt": prompt})["candidates"]}
+                cands = {
+                    c["instance"]: c for c in debug_route(router, {"prompt": prompt})["candidates"]
+                }
                 if cands[r1]["gpu_tokens"] > 0:
                     break
                 assert time.monotonic() < deadline, "rank 1's events never arrived"

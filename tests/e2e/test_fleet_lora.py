@@ -6,20 +6,16 @@ from __future__ import annotations
 import time
 
 import httpx
-from kvtest import engines, start_router
+from kvtest import debug_route, engines, start_router
 
 FAST = ("--profile", "full", "--time-scale", "50", "--model", "base")
 LORAS = ("--lora-modules", "sql=/adapters/sql", "--lora-modules", "chat=/adapters/chat")
 
 
-def _debug(router, body: dict) -> dict:
-    r = httpx.post(f"{router.url}/debug/route", json=body, timeout=10)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def _hit(router, body: dict, url: str) -> int:
-    return next(c["gpu_tokens"] for c in _debug(router, body)["candidates"] if c["instance"] == url)
+    return next(
+        c["gpu_tokens"] for c in debug_route(router, body)["candidates"] if c["instance"] == url
+    )
 
 
 def test_an_adapter_request_is_credited_only_with_blocks_stored_under_that_adapter(tmp_path):
@@ -30,7 +26,7 @@ def test_an_adapter_request_is_credited_only_with_blocks_stored_under_that_adapt
             assert sorted(cards) == ["base", "chat", "sql"]
             assert cards["sql"]["parent"] == "base" and cards["sql"]["root"] == "/adapters/sql"
             # Only the instance that serves the adapter is in its pool.
-            view = _debug(router, {"model": "sql", "prompt": "x"})
+            view = debug_route(router, {"model": "sql", "prompt": "x"})
             assert view["model"] == {"requested": "sql", "pool": [a.url], "lora": "sql"}
             prompt = "SELECT the rows this adapter was asked about before; " * 6
             r = httpx.post(f"{a.url}/v1/completions", json={"model": "sql", "prompt": prompt})

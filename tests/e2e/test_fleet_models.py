@@ -2,28 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
-from kvtest import engines, start_engine, start_router
+from kvtest import debug_route, engines, start_engine, start_router, wait_until
 
 FAST = ("--profile", "full", "--time-scale", "50")
-
-
-def _wait(cond, timeout: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _debug(router, body: dict) -> dict:
-    r = httpx.post(f"{router.url}/debug/route", json=body, timeout=10)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def test_a_requests_model_picks_the_instances_that_serve_it(tmp_path):
@@ -40,21 +22,21 @@ def test_a_requests_model_picks_the_instances_that_serve_it(tmp_path):
                 r = httpx.post(url, json={"model": "alpha", "prompt": prompt}, timeout=30)
                 assert r.status_code == 200, r.text
                 assert r.headers["x-kvroute-instance"] == a.url
-            _wait(
-                lambda: _debug(router, {"model": "alpha", "prompt": prompt})["candidates"][0][
+            wait_until(
+                lambda: debug_route(router, {"model": "alpha", "prompt": prompt})["candidates"][0][
                     "gpu_tokens"
                 ] > 0,
                 what="alpha's instance to report its blocks",
             )  # fmt: skip
             # beta's pool is beta's instance alone: alpha's cached prefix is not a candidate.
-            view = _debug(router, {"model": "beta", "prompt": prompt})
+            view = debug_route(router, {"model": "beta", "prompt": prompt})
             assert view["model"] == {"requested": "beta", "pool": [b.url], "lora": None}
             assert [c["instance"] for c in view["candidates"]] == [b.url]
             r = httpx.post(url, json={"model": "beta", "prompt": prompt}, timeout=30)
             assert r.status_code == 200 and r.headers["x-kvroute-instance"] == b.url
             assert r.json()["model"] == "beta"
             # No model: any instance (vLLM serves its default).
-            assert len(_debug(router, {"prompt": prompt})["model"]["pool"]) == 2
+            assert len(debug_route(router, {"prompt": prompt})["model"]["pool"]) == 2
             # An unknown model: vLLM's 404, from the router, for completions and chat.
             for path, body in (
                 ("/v1/completions", {"model": "gamma", "prompt": "x"}),
@@ -80,8 +62,10 @@ def test_pools_follow_an_instance_restarted_with_another_model_and_declarations_
     try:
         router = start_router(tmp_path, [a], "--instance", f"{declared.url}=,model=alpha-v2")
         try:
-            assert _debug(router, {"model": "alpha", "prompt": "p"})["model"]["pool"] == [a.url]
-            assert _debug(router, {"model": "alpha-v2", "prompt": "p"})["model"]["pool"] == [
+            assert debug_route(router, {"model": "alpha", "prompt": "p"})["model"]["pool"] == [
+                a.url
+            ]
+            assert debug_route(router, {"model": "alpha-v2", "prompt": "p"})["model"]["pool"] == [
                 declared.url
             ]
             port, replay_port = a.port, a.replay_port  # same ports: same event endpoints
@@ -90,7 +74,7 @@ def test_pools_follow_an_instance_restarted_with_another_model_and_declarations_
                 tmp_path, *FAST, "--model", "delta",
                 port=port, replay_port=replay_port,
             )  # fmt: skip
-            _wait(
+            wait_until(
                 lambda: httpx.post(
                     f"{router.url}/v1/completions", json={"model": "delta", "prompt": "p"}
                 ).status_code == 200,

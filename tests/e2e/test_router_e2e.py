@@ -8,29 +8,17 @@ import time
 
 import httpx
 import pytest
-from kvtest import engines, start_redis, start_router
+from kvtest import debug_route, engines, start_redis, start_router, wait_until
 
 SWA = ("--profile", "swa-hybrid", "--sliding-window", "64", "--time-scale", "50")
 
 
 def _debug(router, prompt: str) -> dict:
-    r = httpx.post(f"{router.url}/debug/route", json={"prompt": prompt}, timeout=10)
-    assert r.status_code == 200, r.text
-    return r.json()
+    return debug_route(router, {"prompt": prompt})
 
 
 def _by_instance(debug: dict) -> dict[str, dict]:
     return {c["instance"]: c for c in debug["candidates"]}
-
-
-def _wait(cond, timeout: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_repeated_prompt_lands_on_the_instance_that_has_it(tmp_path):
@@ -41,7 +29,7 @@ def test_repeated_prompt_lands_on_the_instance_that_has_it(tmp_path):
             holder = engs[1]
             r = httpx.post(f"{holder.url}/v1/completions", json={"prompt": prompt}, timeout=30)
             assert r.status_code == 200
-            _wait(
+            wait_until(
                 lambda: _by_instance(_debug(router, prompt))[holder.url]["gpu_tokens"] > 0,
                 what="the router to ingest the holder's events",
             )
@@ -121,7 +109,7 @@ async def test_killed_engine_loses_no_request_that_had_not_started(tmp_path):
             assert {r.headers["x-kvroute-instance"] for r in resps} == {b.url}
             metrics = httpx.get(f"{router.url}/metrics").text
             assert "kvroute_router_retries_total" in metrics
-            _wait(
+            wait_until(
                 lambda: (
                     f'kvroute_router_instance_healthy{{instance="{a.url}"}} 0.0'
                     in httpx.get(f"{router.url}/metrics").text
@@ -141,7 +129,7 @@ def test_redis_killed_requests_still_served_then_cache_routing_resumes(tmp_path)
                 prompt = "cache-aware routing through a shared redis index. " * 8
                 r = httpx.post(f"{router.url}/v1/completions", json={"prompt": prompt})
                 assert r.status_code == 200
-                _wait(lambda: _debug(router, prompt)["candidates"][0]["gpu_tokens"] > 0,
+                wait_until(lambda: _debug(router, prompt)["candidates"][0]["gpu_tokens"] > 0,
                       what="redis-backed hit")  # fmt: skip
                 redis_proc.kill()
                 redis_proc.wait()
@@ -150,7 +138,7 @@ def test_redis_killed_requests_still_served_then_cache_routing_resumes(tmp_path)
                     assert r.status_code == 200
                 assert _debug(router, prompt)["index_ok"] is False
                 redis_proc, _ = start_redis(port)
-                _wait(lambda: _debug(router, prompt)["index_ok"], what="redis recovery")
+                wait_until(lambda: _debug(router, prompt)["index_ok"], what="redis recovery")
                 r = httpx.post(f"{router.url}/v1/completions", json={"prompt": prompt})
                 assert r.status_code == 200
             finally:

@@ -12,7 +12,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 import httpx
-from kvtest import engines, send_turns, start_router
+from kvtest import engines, send_turns, start_router, wait_until
 
 from router.dashboard.snapshot import Recorded, summarize_decision
 from router.dashboard.view import render_cards, render_table
@@ -142,15 +142,6 @@ def _state(router) -> dict:
     return r.json()
 
 
-def _wait(cond, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := cond():
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_page_names_every_instance_state_updates_and_decisions_explain(tmp_path):
     with engines(tmp_path, 2, *SWA) as engs:
         router = start_router(tmp_path, engs)
@@ -198,7 +189,7 @@ def test_page_names_every_instance_state_updates_and_decisions_explain(tmp_path)
                     else None
                 )
 
-            s = _wait(updated, what="the state to reflect the traffic")
+            s = wait_until(updated, what="the state to reflect the traffic")
             inst = {i["url"]: i for i in s["instances"]}[holder]
             assert inst["served"] == 3 and inst["hit_ratio"]["gpu"] > 0
             assert {b["tier"] for b in inst["blocks"]} <= {"gpu", "cpu"}
