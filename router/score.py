@@ -118,19 +118,6 @@ class _Plan:
         return _new(Score, (gpu_tokens, ext, junction))
 
 
-_plans: dict[tuple[int, bool], _Plan] = {}
-
-
-def _plan(layout: InstanceLayout, full_only: bool) -> _Plan:
-    key = (id(layout), full_only)  # hashing the layout itself costs more than the lookup
-    p = _plans.get(key)
-    if p is None or p.layout is not layout:
-        if len(_plans) > 4096:
-            _plans.clear()
-        p = _plans[key] = _Plan(layout, full_only)
-    return p
-
-
 def _merged(found: dict[str, Residency], extra: Mapping[str, Residency]) -> dict[str, Residency]:
     out = dict(found)
     for name, res in extra.items():
@@ -167,7 +154,7 @@ def score_residency(
     """``(gpu_tokens, cpu_tokens)`` for one instance; ``positions`` = request hash blocks."""
     if not residency:
         return ZERO
-    return _plan(layout, full_only).score(residency, positions, num_prompt_tokens)
+    return _Plan(layout, full_only).score(residency, positions, num_prompt_tokens)
 
 
 class Scorer:
@@ -179,6 +166,18 @@ class Scorer:
         self.index = index
         self.layouts = layouts
         self.full_only = full_only
+        # Each layout's geometry worked out once. Keyed by the layout object's id (hashing
+        # the layout costs more than the lookup); the identity check makes a reused id
+        # after a layout was replaced a miss, and the bound keeps churn from growing it.
+        self._plans: dict[int, _Plan] = {}
+
+    def _plan(self, layout: InstanceLayout) -> _Plan:
+        p = self._plans.get(id(layout))
+        if p is None or p.layout is not layout:
+            if len(self._plans) > 4096:
+                self._plans.clear()
+            p = self._plans[id(layout)] = _Plan(layout, self.full_only)
+        return p
 
     async def score(
         self,
@@ -211,7 +210,7 @@ class Scorer:
             key = (id(layout), *res.items())
             score = memo.get(key)
             if score is None:
-                plan = _plan(layout, self.full_only)
+                plan = self._plan(layout)
                 score = memo[key] = plan.score(res, n, num_prompt_tokens)
             out[name] = score
         return out
