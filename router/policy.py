@@ -1,15 +1,30 @@
 """Routing policies: pick an instance from per-instance hits and load.
 
-``cost`` (default) predicts each candidate's time to first token and picks the minimum:
+``cost`` (default) predicts each candidate's time to first token from the work ahead of
+the request, then ranks by that plus what the choice costs the rest of the fleet:
 
-    TTFT = queue wait + prefill(uncached tokens) + load(CPU-hit tokens)
-    queue wait = (in-flight prefill tokens * prefill rate) + waiting requests * per-request
-                 overhead
+    raw = backlog * prefill rate            (router-dispatched prefill still to do,
+                                             draining as the engine works: cost_model)
+        + others waiting * request overhead (engine queue minus our own in-flight ones)
+        + uncached tokens * prefill rate + CPU-hit tokens * load rate
+        + prefill steps * (step overhead + decode of the running streams)
+    TTFT = fixed + scale * raw + per_request * requests there
+                                            (per instance, fitted online on the features
+                                             as of decision time: cost_model.TtftFit)
+    objective = TTFT + fleet_weight * recompute_s + interference * running * recompute_s
 
-Rates start from configured defaults and are calibrated online per instance from observed
-TTFTs (an exponential moving average of observed / predicted). Ties are broken by the
-least load, then at random -- never by list order, so idle cold traffic spreads out. An
-optional softmax temperature samples instead of taking the minimum.
+``recompute_s`` is the GPU time spent recomputing tokens another instance holds: time the
+fleet cannot spend on other requests. ``interference`` charges a long prefill to the decode
+streams it stalls, so cold long prompts go where short interactive work is not.
+
+Stickiness with hysteresis: the instance holding the longest cached prefix (the holder)
+keeps the request unless its predicted TTFT exceeds the best alternative's by more than
+``stick_margin`` times the prefill time its cache saves. A conversation therefore stays
+on its holder under moderate load and moves only when the wait would cost more than the
+cache is worth. Every term is in ``Breakdown`` and the reason in ``Decision.reason``, so
+``/debug/route`` explains each choice. Ties are broken by the least load, then at random
+-- never by list order, so idle cold traffic spreads out. An optional softmax temperature
+samples on the objective instead of taking the minimum.
 
 Baselines kept for benchmarks: ``round_robin``, ``least_loaded`` and ``prefix_full_only``
 (the cost policy fed by a scorer that ignores sliding-window and Mamba groups: what peer
@@ -21,8 +36,11 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from router.cost_model import Backlog, TtftFit
 
 __all__ = [
     "POLICIES",
@@ -52,23 +70,38 @@ class Candidate:
 
 @dataclass(slots=True)
 class CostRates:
-    """Per-instance seconds per unit; calibrated online by ``CostPolicy.observe``."""
+    """Raw seconds per unit before the per-instance fit (``TtftFit``) scales them. The
+    defaults are an 8B-class model on one H100 (the simulated engine's timing model)."""
 
     prefill_s_per_token: float = 1e-4
     load_s_per_token: float = 7e-6
     request_overhead_s: float = 0.005
-    calibration: float = 1.0  # EMA of observed / predicted TTFT
+    step_s: float = 0.004  # per engine step
+    decode_step_s: float = 0.012  # per step with decode streams running
+    decode_s_per_seq: float = 2.5e-4  # per running stream per step
+    step_tokens: int = 4096  # prefill tokens per step (max_num_batched_tokens)
 
 
 @dataclass(frozen=True, slots=True)
 class Breakdown:
+    """Predicted TTFT terms for one candidate, in calibrated seconds."""
+
     queue_s: float
     prefill_s: float
     load_s: float
+    decode_s: float = 0.0  # prefill steps stretched by the decode streams running
+    fixed_s: float = 0.0  # fitted fixed term (HTTP, tokenization, scheduling)
+    wait_s: float = 0.0  # fitted wait per request already there (admission, memory)
+    raw_s: float = 0.0  # the uncalibrated work prediction the fit learns from
+    requests: int = 0  # router requests on the instance at decision time (fit feature)
+    objective_s: float | None = None  # TTFT + fleet terms: what the ranking minimises
+    cached_tokens: int = 0
 
     @property
     def ttft_s(self) -> float:
-        return self.queue_s + self.prefill_s + self.load_s
+        return (
+            self.queue_s + self.prefill_s + self.load_s + self.decode_s + self.fixed_s + self.wait_s
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +109,7 @@ class Decision:
     instance: str
     ranked: list[str]  # the chosen one first, then fallbacks for retries
     breakdown: dict[str, Breakdown] = field(default_factory=dict)
+    reason: str = ""  # why the first one (cost policy): "min_cost", "sticky", ...
 
 
 class Policy:
@@ -85,7 +119,7 @@ class Policy:
     def choose(self, candidates: Sequence[Candidate], num_prompt_tokens: int) -> Decision:
         raise NotImplementedError
 
-    def observe(self, instance: str, predicted_ttft_s: float, observed_ttft_s: float) -> None:
+    def observe(self, instance: str, predicted: Breakdown | float, observed_ttft_s: float) -> None:
         """Feedback after a request's first byte (only the cost policy learns from it)."""
 
 
@@ -121,8 +155,14 @@ class LeastLoadedPolicy(Policy):
         return Decision(ranked[0], ranked)
 
 
+@dataclass(slots=True)
+class _Model:
+    backlog: Backlog = field(default_factory=Backlog)
+    fit: TtftFit = field(default_factory=TtftFit)
+
+
 class CostPolicy(Policy):
-    """Minimum predicted TTFT (see module docstring)."""
+    """Sticky minimum-cost routing (see module docstring)."""
 
     name = "cost"
 
@@ -131,68 +171,142 @@ class CostPolicy(Policy):
         defaults: CostRates | None = None,
         *,
         temperature: float = 0.0,
-        ema: float = 0.2,
+        fleet_weight: float = 1.0,
+        interference: float = 0.02,
+        stick_margin: float = 2.0,
+        min_sticky_fraction: float = 0.1,
+        fit_decay: float = 0.95,
+        clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
         self.defaults = defaults or CostRates()
         self.temperature = temperature
-        self.ema = ema
-        self.rates: dict[str, CostRates] = {}
+        self.fleet_weight = fleet_weight
+        self.interference = interference
+        self.stick_margin = stick_margin
+        self.min_sticky_fraction = min_sticky_fraction
+        self.fit_decay = fit_decay
+        self.clock = clock
+        self.models: dict[str, _Model] = {}
+        self.fleet = TtftFit(fit_decay)  # every observation: the prior of a new instance
         self._rng = rng or random.Random()
 
-    def _rates(self, name: str) -> CostRates:
-        r = self.rates.get(name)
-        if r is None:
-            d = self.defaults
-            r = self.rates[name] = CostRates(
-                d.prefill_s_per_token, d.load_s_per_token, d.request_overhead_s
-            )
-        return r
+    def model(self, name: str) -> _Model:
+        m = self.models.get(name)
+        if m is None:
+            m = self.models[name] = _Model(fit=TtftFit(self.fit_decay))
+        return m
 
-    def breakdown(self, c: Candidate, num_prompt_tokens: int) -> Breakdown:
-        r = self._rates(c.name)
+    def breakdown(self, c: Candidate, num_prompt_tokens: int, now: float) -> Breakdown:
+        r, m = self.defaults, self.model(c.name)
+        fixed, k, per_request = m.fit.blended(self.fleet)
+        tokens_per_s = 1.0 / (k * r.prefill_s_per_token)
+        backlog = m.backlog.update(now, c.inflight_prefill_tokens, tokens_per_s)
         cached = min(c.gpu_tokens + c.cpu_tokens, num_prompt_tokens)
         uncached = max(num_prompt_tokens - cached, 1)  # the last token is always computed
-        queue = (
-            c.inflight_prefill_tokens * r.prefill_s_per_token
-            + (c.inflight_requests + c.engine_waiting) * r.request_overhead_s
+        # engine_waiting counts our own in-flight requests too: only the rest is extra.
+        others = max(0, c.engine_waiting - c.inflight_requests)
+        queue = backlog * r.prefill_s_per_token + others * r.request_overhead_s
+        prefill = uncached * r.prefill_s_per_token
+        load = min(c.cpu_tokens, cached) * r.load_s_per_token
+        steps = math.ceil((backlog + uncached) / r.step_tokens)
+        per_step = r.step_s
+        if c.running_requests:
+            per_step += r.decode_step_s + c.running_requests * r.decode_s_per_seq
+        decode = steps * per_step
+        raw = queue + prefill + load + decode
+        requests = c.inflight_requests + c.running_requests  # what the fit's wait term scales
+        wait = per_request * requests
+        ttft = fixed + k * raw + wait
+        recompute = k * prefill
+        objective = (
+            ttft
+            + self.fleet_weight * recompute
+            + self.interference * c.running_requests * recompute
         )
         return Breakdown(
-            queue_s=queue * r.calibration,
-            prefill_s=uncached * r.prefill_s_per_token * r.calibration,
-            load_s=c.cpu_tokens * r.load_s_per_token * r.calibration,
+            queue_s=k * queue,
+            prefill_s=k * prefill,
+            load_s=k * load,
+            decode_s=k * decode,
+            fixed_s=fixed,
+            wait_s=wait,
+            raw_s=raw,
+            requests=requests,
+            objective_s=objective,
+            cached_tokens=cached,
         )
 
     def choose(self, candidates: Sequence[Candidate], num_prompt_tokens: int) -> Decision:
-        parts = {c.name: self.breakdown(c, num_prompt_tokens) for c in candidates}
+        now = self.clock()
+        parts = {c.name: self.breakdown(c, num_prompt_tokens, now) for c in candidates}
         shuffled = list(candidates)
         self._rng.shuffle(shuffled)
-        ranked_c = sorted(shuffled, key=lambda c: (round(parts[c.name].ttft_s, 9), _load_key(c)))
+        ranked_c = sorted(
+            shuffled, key=lambda c: (round(parts[c.name].objective_s or 0.0, 9), _load_key(c))
+        )
         ranked = [c.name for c in ranked_c]
+        reason = "min_cost"
         if self.temperature > 0 and len(ranked) > 1:
-            best = parts[ranked[0]].ttft_s
-            weights = [math.exp(-(parts[n].ttft_s - best) / self.temperature) for n in ranked]
+            best = parts[ranked[0]].objective_s or 0.0
+            weights = [
+                math.exp(-((parts[n].objective_s or 0.0) - best) / self.temperature) for n in ranked
+            ]
             pick = self._rng.choices(ranked, weights)[0]
             ranked.remove(pick)
             ranked.insert(0, pick)
-        return Decision(ranked[0], ranked, parts)
+            reason = "sampled"
+        else:
+            holder = self._sticky(ranked, parts, num_prompt_tokens)
+            if holder is not None and holder != ranked[0]:
+                ranked.remove(holder)
+                ranked.insert(0, holder)
+                reason = "sticky"
+        return Decision(ranked[0], ranked, parts, reason)
 
-    def observe(self, instance: str, predicted_ttft_s: float, observed_ttft_s: float) -> None:
-        if predicted_ttft_s <= 0 or observed_ttft_s <= 0:
-            return
-        r = self._rates(instance)
-        raw = predicted_ttft_s / r.calibration  # prediction before calibration
-        ratio = min(max(observed_ttft_s / raw, 0.01), 100.0)
-        r.calibration = (1 - self.ema) * r.calibration + self.ema * ratio
+    def _sticky(
+        self, ranked: list[str], parts: dict[str, Breakdown], num_prompt_tokens: int
+    ) -> str | None:
+        """The holder of the longest cached prefix, if its extra wait over the best
+        alternative is within ``stick_margin`` x the prefill time its cache saves."""
+        # max() keeps the first of equals: the better-ranked holder.
+        holder = max(ranked, key=lambda n: parts[n].cached_tokens)
+        h = parts[holder]
+        if h.cached_tokens <= 0 or h.cached_tokens < self.min_sticky_fraction * num_prompt_tokens:
+            return None
+        if ranked[0] == holder:
+            return holder
+        b = parts[ranked[0]]
+        saved_s = max(b.prefill_s - h.prefill_s, 0.0)
+        if h.ttft_s - b.ttft_s <= self.stick_margin * saved_s:
+            return holder
+        return None
+
+    def observe(self, instance: str, predicted: Breakdown | float, observed_ttft_s: float) -> None:
+        """Fit ``instance``'s TTFT on the raw prediction made when the request was routed
+        (pass the decision's ``Breakdown``; a bare float is taken as a raw prediction)."""
+        if isinstance(predicted, Breakdown):
+            raw, requests = predicted.raw_s, predicted.requests
+        else:
+            raw, requests = float(predicted), 0
+        self.model(instance).fit.add(raw, observed_ttft_s, requests)
+        self.fleet.add(raw, observed_ttft_s, requests)
 
 
 POLICIES = ("cost", "round_robin", "least_loaded", "prefix_full_only")
 
 
-def make_policy(name: str, *, temperature: float = 0.0, rates: CostRates | None = None) -> Policy:
+def make_policy(
+    name: str,
+    *,
+    temperature: float = 0.0,
+    rates: CostRates | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    rng: random.Random | None = None,
+) -> Policy:
     """``prefix_full_only`` is the cost policy; the caller pairs it with a full-only scorer."""
     if name in ("cost", "prefix_full_only"):
-        policy = CostPolicy(rates, temperature=temperature)
+        policy = CostPolicy(rates, temperature=temperature, clock=clock, rng=rng)
         policy.name = name
         return policy
     if name == "round_robin":

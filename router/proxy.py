@@ -182,7 +182,7 @@ class Forwarder:
         if streaming and resp.status_code == 200:
             part = decision.decision.breakdown.get(url)
             if part is not None:
-                self.policy.observe(url, part.ttft_s, ttft)
+                self.policy.observe(url, part, ttft)
         inst.served += 1
         out_headers = {k: resp.headers[k] for k in _PASS_BACK if k in resp.headers}
         gpu, cpu = decision.predicted(url)

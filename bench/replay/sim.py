@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.replay.config import ReplayConfig
+from bench.replay.peer_models import make_peer_model
 from bench.replay.records import RequestRecord
 from bench.replay.trace import TraceRequest, compress_arrivals, prompt_text
 from bench.replay.vclock import VirtualClockLoop
@@ -41,7 +42,7 @@ from router.index.memory import MemoryIndex
 from router.instances import Instance
 from router.layout import InstanceLayout, LayoutRegistry
 from router.metrics import RouterMetrics
-from router.policy import CostPolicy, CostRates, LeastLoadedPolicy, Policy, make_policy
+from router.policy import CostRates, LeastLoadedPolicy, Policy, make_policy
 from router.score import Scorer
 from router.speculative import SpeculativeResidency
 from router.tokenize import RoutingTokenizer
@@ -143,13 +144,16 @@ def build_core(cfg: ReplayConfig, publisher: EventPublisher) -> EngineCore:
     )
 
 
-def sim_policy(name: str, rates: CostRates, temperature: float, seed: int) -> Policy:
-    """``make_policy`` with a seeded generator for tie-breaking (reproducible runs)."""
+def sim_policy(
+    name: str, rates: CostRates, temperature: float, seed: int, clock: Callable[[], float]
+) -> Policy:
+    """``make_policy`` with a seeded generator for tie-breaking (reproducible runs) and the
+    virtual clock (the cost policy drains its backlog model by it)."""
     rng = random.Random(seed)
+    if name.startswith("model:"):
+        return make_peer_model(name.split(":", 1)[1])
     if name in ("cost", "prefix_full_only"):
-        policy: Policy = CostPolicy(rates, temperature=temperature, rng=rng)
-        policy.name = name
-        return policy
+        return make_policy(name, temperature=temperature, rates=rates, clock=clock, rng=rng)
     if name == "least_loaded":
         return LeastLoadedPolicy(rng)
     return make_policy(name)
@@ -170,10 +174,12 @@ async def _simulate(
     cores = {n: build_core(cfg, feeds[n]) for n in names}
     insts = {n: Instance(InstanceSpec(n)) for n in names}
     rates = CostRates(rs.prefill_s_per_token, rs.load_s_per_token, rs.request_overhead_s)
-    policy = sim_policy(policy_name, rates, cfg.temperature, cfg.seed)
+    policy = sim_policy(policy_name, rates, cfg.temperature, cfg.seed, loop.time)
     router = Router(
         registry=_Registry(list(insts.values())),  # type: ignore[arg-type]
-        scorer=Scorer(index, layouts, full_only=policy_name == "prefix_full_only"),
+        scorer=Scorer(
+            index, layouts, full_only=policy_name in ("prefix_full_only", "model:vllm-router")
+        ),
         index=index,
         policy=policy,
         tokenizer=RoutingTokenizer("byte"),
@@ -205,6 +211,8 @@ async def _simulate(
     async def one(req: TraceRequest, rec: RequestRecord) -> None:
         nonlocal done
         text = prompt_text(req, cfg.seed)
+        if getattr(policy, "wants_text", False):  # the sglang-router model matches text
+            policy.text = text  # type: ignore[attr-defined]
         decision = await router.decide({"prompt": text}, "completion")
         assert decision is not None
         url = decision.decision.instance
@@ -230,7 +238,7 @@ async def _simulate(
                     inst.running_requests += 1
                     part = decision.decision.breakdown.get(url)
                     if part is not None:
-                        policy.observe(url, part.ttft_s, rec.ttft_s)
+                        policy.observe(url, part, rec.ttft_s)
                 if out.finished:
                     rec.e2e_s = loop.time() - rec.arrival_s
                     rec.completion_tokens = out.completion_tokens
