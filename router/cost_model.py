@@ -45,7 +45,7 @@ class Backlog:
 def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
     """Gaussian elimination with partial pivoting; None when singular."""
     n = len(v)
-    a = [row[:] + [v[i]] for i, row in enumerate(m)]
+    a = [[*row, v[i]] for i, row in enumerate(m)]
     for c in range(n):
         p = max(range(c, n), key=lambda r: abs(a[r][c]))
         if abs(a[p][c]) < 1e-12:

@@ -155,6 +155,7 @@ class Router:
     def _candidate(inst: Instance, score: Score | None) -> Candidate:
         gpu, cpu = (score.gpu_tokens, score.cpu_tokens) if score else (0, 0)
         return Candidate(
+            full_tokens=score.junction_tokens if score else 0,
             name=inst.url,
             gpu_tokens=gpu,
             cpu_tokens=cpu,

@@ -66,6 +66,10 @@ class Candidate:
     inflight_prefill_tokens: int = 0  # router-side: uncached tokens of those requests
     running_requests: int = 0  # router-side: streams not finished yet
     engine_waiting: int = 0  # engine-reported queue (from /metrics), when known
+    # The longer GPU prefix full attention alone holds there, when a sliding-window or
+    # Mamba group cut the hit short (``Score.junction_tokens``; 0: none): where the
+    # conversation lives, though this request recomputes past ``gpu_tokens``.
+    full_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -171,9 +175,9 @@ class CostPolicy(Policy):
         defaults: CostRates | None = None,
         *,
         temperature: float = 0.0,
-        fleet_weight: float = 1.0,
-        interference: float = 0.02,
-        stick_margin: float = 2.0,
+        load_exponent: float = 1.5,
+        junction_credit: float = 1.0,
+        stick_margin: float = 0.25,
         min_sticky_fraction: float = 0.1,
         fit_decay: float = 0.95,
         clock: Callable[[], float] = time.monotonic,
@@ -181,8 +185,8 @@ class CostPolicy(Policy):
     ) -> None:
         self.defaults = defaults or CostRates()
         self.temperature = temperature
-        self.fleet_weight = fleet_weight
-        self.interference = interference
+        self.load_exponent = load_exponent
+        self.junction_credit = junction_credit
         self.stick_margin = stick_margin
         self.min_sticky_fraction = min_sticky_fraction
         self.fit_decay = fit_decay
@@ -196,6 +200,14 @@ class CostPolicy(Policy):
         if m is None:
             m = self.models[name] = _Model(fit=TtftFit(self.fit_decay))
         return m
+
+    def credited(self, c: Candidate, num_prompt_tokens: int) -> int:
+        """Tokens the ranking credits: the hit, plus ``junction_credit`` x the longer
+        prefix full attention alone holds (routing there re-creates the sparse state at
+        that junction, so the conversation's next requests hit in full)."""
+        cached = min(c.gpu_tokens + c.cpu_tokens, num_prompt_tokens)
+        extra = max(min(c.full_tokens, num_prompt_tokens) - cached, 0)
+        return cached + int(self.junction_credit * extra)
 
     def breakdown(self, c: Candidate, num_prompt_tokens: int, now: float) -> Breakdown:
         r, m = self.defaults, self.model(c.name)
@@ -216,21 +228,18 @@ class CostPolicy(Policy):
         decode = steps * per_step
         raw = queue + prefill + load + decode
         requests = c.inflight_requests + c.running_requests  # what the fit's wait term scales
-        wait = per_request * requests
-        ttft = fixed + k * raw + wait
-        recompute = k * prefill
-        objective = (
-            ttft
-            + self.fleet_weight * recompute
-            + self.interference * c.running_requests * recompute
-        )
+        # The ranking: fleet-scaled seconds of prefill this choice spends, stretched by
+        # the requests it shares the engine with (module docstring).
+        effective = max(num_prompt_tokens - self.credited(c, num_prompt_tokens), 1)
+        stretch = (1 + requests + others) ** self.load_exponent
+        objective = self.fleet.scale * effective * r.prefill_s_per_token * stretch
         return Breakdown(
             queue_s=k * queue,
             prefill_s=k * prefill,
             load_s=k * load,
             decode_s=k * decode,
             fixed_s=fixed,
-            wait_s=wait,
+            wait_s=per_request * requests,
             raw_s=raw,
             requests=requests,
             objective_s=objective,
@@ -243,7 +252,7 @@ class CostPolicy(Policy):
         shuffled = list(candidates)
         self._rng.shuffle(shuffled)
         ranked_c = sorted(
-            shuffled, key=lambda c: (round(parts[c.name].objective_s or 0.0, 9), _load_key(c))
+            shuffled, key=lambda c: (round(parts[c.name].objective_s or 0.0, 12), _load_key(c))
         )
         ranked = [c.name for c in ranked_c]
         reason = "min_cost"
@@ -257,7 +266,7 @@ class CostPolicy(Policy):
             ranked.insert(0, pick)
             reason = "sampled"
         else:
-            holder = self._sticky(ranked, parts, num_prompt_tokens)
+            holder = self._sticky(ranked_c, parts, num_prompt_tokens)
             if holder is not None and holder != ranked[0]:
                 ranked.remove(holder)
                 ranked.insert(0, holder)
@@ -265,21 +274,18 @@ class CostPolicy(Policy):
         return Decision(ranked[0], ranked, parts, reason)
 
     def _sticky(
-        self, ranked: list[str], parts: dict[str, Breakdown], num_prompt_tokens: int
+        self, ranked: list[Candidate], parts: dict[str, Breakdown], num_prompt_tokens: int
     ) -> str | None:
-        """The holder of the longest cached prefix, if its extra wait over the best
-        alternative is within ``stick_margin`` x the prefill time its cache saves."""
+        """Hysteresis: the holder of the longest credited prefix keeps the request while
+        its objective is within ``1 + stick_margin`` times the best alternative's."""
         # max() keeps the first of equals: the better-ranked holder.
-        holder = max(ranked, key=lambda n: parts[n].cached_tokens)
-        h = parts[holder]
-        if h.cached_tokens <= 0 or h.cached_tokens < self.min_sticky_fraction * num_prompt_tokens:
+        holder = max(ranked, key=lambda c: self.credited(c, num_prompt_tokens))
+        credit = self.credited(holder, num_prompt_tokens)
+        if credit <= 0 or credit < self.min_sticky_fraction * num_prompt_tokens:
             return None
-        if ranked[0] == holder:
-            return holder
-        b = parts[ranked[0]]
-        saved_s = max(b.prefill_s - h.prefill_s, 0.0)
-        if h.ttft_s - b.ttft_s <= self.stick_margin * saved_s:
-            return holder
+        best = parts[ranked[0].name].objective_s or 0.0
+        if (parts[holder.name].objective_s or 0.0) <= (1 + self.stick_margin) * best:
+            return holder.name
         return None
 
     def observe(self, instance: str, predicted: Breakdown | float, observed_ttft_s: float) -> None:
