@@ -1,30 +1,34 @@
 """Routing policies: pick an instance from per-instance hits and load.
 
-``cost`` (default) predicts each candidate's time to first token from the work ahead of
-the request, then ranks by that plus what the choice costs the rest of the fleet:
+``cost`` (default) ranks candidates by the prefill work a choice spends, stretched by the
+work it shares the engine with:
 
-    raw = backlog * prefill rate            (router-dispatched prefill still to do,
-                                             draining as the engine works: cost_model)
-        + others waiting * request overhead (engine queue minus our own in-flight ones)
-        + uncached tokens * prefill rate + CPU-hit tokens * load rate
-        + prefill steps * (step overhead + decode of the running streams)
-    TTFT = fixed + scale * raw + per_request * requests there
-                                            (per instance, fitted online on the features
-                                             as of decision time: cost_model.TtftFit)
-    objective = TTFT + fleet_weight * recompute_s + interference * running * recompute_s
+    credited  = hit (GPU + CPU) + junction_credit * (full-attention-only prefix - hit)
+    objective = fleet scale * (prompt - credited) * prefill rate
+                * (1 + requests there + others waiting) ** load_exponent   (1.5)
 
-``recompute_s`` is the GPU time spent recomputing tokens another instance holds: time the
-fleet cannot spend on other requests. ``interference`` charges a long prefill to the decode
-streams it stalls, so cold long prompts go where short interactive work is not.
+The stretch is processor sharing (a prefill interleaved with n others takes ~(1+n) times
+as long) plus the slowdown it imposes on those n, discounted: 1 alone under-spreads
+memory-bound engines, 2 (vllm-router's) spreads conversations off their holders (the
+exponent was chosen on ``kvroute bench replay --suite``). ``full_tokens`` credits where the
+conversation lives even when a sliding-window or Mamba group cut this request's hit short:
+routing there re-creates the sparse state at the junction, so its next requests hit.
 
-Stickiness with hysteresis: the instance holding the longest cached prefix (the holder)
-keeps the request unless its predicted TTFT exceeds the best alternative's by more than
-``stick_margin`` times the prefill time its cache saves. A conversation therefore stays
-on its holder under moderate load and moves only when the wait would cost more than the
-cache is worth. Every term is in ``Breakdown`` and the reason in ``Decision.reason``, so
-``/debug/route`` explains each choice. Ties are broken by the least load, then at random
--- never by list order, so idle cold traffic spreads out. An optional softmax temperature
-samples on the objective instead of taking the minimum.
+Stickiness with hysteresis: the instance holding the longest credited prefix (the holder)
+keeps the request while its objective is within ``1 + stick_margin`` of the best one, so a
+conversation stays on its holder under moderate load and moves when the stretch of its
+queue outweighs its cache.
+
+Each candidate also gets a predicted TTFT (``Breakdown``): a remaining-work backlog
+(``cost_model.Backlog``: added at dispatch, drained at the fitted rate, retired at first
+byte), others' waiting requests (``engine_waiting`` minus our own in-flight ones, which it
+already counts), uncached prefill, CPU loads, prefill steps stretched by decode, and a
+per-instance fit ``fixed + scale * work + per_request * requests`` learned at decision time
+(``cost_model.TtftFit``, shrunk toward the fleet's fit while an instance has few points).
+The fleet's fitted scale converts the objective to seconds. ``/debug/route`` shows every
+term and ``Decision.reason`` (min_cost, sticky, sampled). Ties are broken by the least
+load, then at random -- never by list order, so idle cold traffic spreads out. An optional
+softmax temperature samples on the objective instead of taking the minimum.
 
 Baselines kept for benchmarks: ``round_robin``, ``least_loaded`` and ``prefix_full_only``
 (the cost policy fed by a scorer that ignores sliding-window and Mamba groups: what peer

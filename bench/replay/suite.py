@@ -201,6 +201,34 @@ def run_suite(
     return results_json
 
 
+def run_suite_cli(
+    out: Path, suite: str, seeds: str, live: str, live_seeds: str, jobs: int, command: str
+) -> str:
+    """``kvroute bench replay --suite``: parse the flags, run, return the report text."""
+
+    def ints(text: str) -> list[int]:
+        try:
+            return [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"seeds must be integers, got {text!r}") from None
+
+    workloads = list(SUITE) if suite == "all" else [w.strip() for w in suite.split(",") if w]
+    live_w = list(SUITE) if live == "all" else [w.strip() for w in live.split(",") if w]
+    if not ints(seeds):
+        raise ValueError("no seeds given")
+    run_suite(
+        out,
+        workloads=workloads,
+        seeds=ints(seeds),
+        live_workloads=live_w,
+        live_seeds=ints(live_seeds),
+        jobs=jobs,
+        command=command,
+        progress=lambda msg: log.info("%s", msg),
+    )
+    return (out / "report.md").read_text()
+
+
 def with_engine(w: SuiteWorkload, **changes: Any) -> SuiteWorkload:
     """A copy of ``w`` with engine settings changed (tests shrink workloads with it)."""
     return replace(w, engine=replace(w.engine, **changes))
