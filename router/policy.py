@@ -12,7 +12,10 @@ as long) plus the slowdown it imposes on those n, discounted: 1 alone under-spre
 memory-bound engines, 2 (vllm-router's) spreads conversations off their holders (the
 exponent was chosen on ``kvroute bench replay --suite``). ``full_tokens`` credits where the
 conversation lives even when a sliding-window or Mamba group cut this request's hit short:
-routing there re-creates the sparse state at the junction, so its next requests hit.
+routing there re-creates the sparse state at the junction, so its next requests hit. Half
+credit (0.5): that hit is a future one, this request's own hit is certain, so an instance
+that kept its window blocks still wins a one-off request (tests/e2e); 1.0 would rank as a
+full-attention-only view does.
 
 Stickiness with hysteresis: the instance holding the longest credited prefix (the holder)
 keeps the request while its objective is within ``1 + stick_margin`` of the best one, so a
@@ -180,7 +183,7 @@ class CostPolicy(Policy):
         *,
         temperature: float = 0.0,
         load_exponent: float = 1.5,
-        junction_credit: float = 1.0,
+        junction_credit: float = 0.5,
         stick_margin: float = 0.25,
         min_sticky_fraction: float = 0.1,
         fit_decay: float = 0.95,
