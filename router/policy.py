@@ -3,7 +3,8 @@
 ``cost`` (default) ranks candidates by the prefill work a choice spends, stretched by the
 work it shares the engine with:
 
-    credited  = hit (GPU + CPU) + junction_credit * (full-attention-only prefix - hit)
+    credited  = hit (GPU + CPU)
+                + junction_credit * (full-attention-only prefix - best hit anywhere)
     objective = fleet scale * (prompt - credited) * prefill rate
                 * (1 + requests there + others waiting) ** load_exponent   (1.5)
 
@@ -12,10 +13,9 @@ as long) plus the slowdown it imposes on those n, discounted: 1 alone under-spre
 memory-bound engines, 2 (vllm-router's) spreads conversations off their holders (the
 exponent was chosen on ``kvroute bench replay --suite``). ``full_tokens`` credits where the
 conversation lives even when a sliding-window or Mamba group cut this request's hit short:
-routing there re-creates the sparse state at the junction, so its next requests hit. Half
-credit (0.5): that hit is a future one, this request's own hit is certain, so an instance
-that kept its window blocks still wins a one-off request (tests/e2e); 1.0 would rank as a
-full-attention-only view does.
+routing there re-creates the sparse state at the junction, so its next requests hit. Only
+the part beyond the best hit any candidate has now is credited: an instance that kept its
+window blocks still wins a one-off request (tests/e2e), unlike a full-attention-only view.
 
 Stickiness with hysteresis: the instance holding the longest credited prefix (the holder)
 keeps the request while its objective is within ``1 + stick_margin`` of the best one, so a
@@ -183,7 +183,7 @@ class CostPolicy(Policy):
         *,
         temperature: float = 0.0,
         load_exponent: float = 1.5,
-        junction_credit: float = 0.5,
+        junction_credit: float = 1.0,
         stick_margin: float = 0.25,
         min_sticky_fraction: float = 0.1,
         fit_decay: float = 0.95,
@@ -208,15 +208,19 @@ class CostPolicy(Policy):
             m = self.models[name] = _Model(fit=TtftFit(self.fit_decay))
         return m
 
-    def credited(self, c: Candidate, num_prompt_tokens: int) -> int:
-        """Tokens the ranking credits: the hit, plus ``junction_credit`` x the longer
-        prefix full attention alone holds (routing there re-creates the sparse state at
-        that junction, so the conversation's next requests hit in full)."""
+    def credited(self, c: Candidate, num_prompt_tokens: int, best_hit: int = 0) -> int:
+        """Tokens the ranking credits: the hit, plus ``junction_credit`` x the longer prefix
+        full attention alone holds beyond ``best_hit`` (the best hit any candidate has now):
+        routing there re-creates the sparse state at that junction, so the conversation's
+        next requests hit in full. What another instance can serve from cache right now
+        is not credited twice: an instance that kept its window blocks still wins."""
         cached = min(c.gpu_tokens + c.cpu_tokens, num_prompt_tokens)
-        extra = max(min(c.full_tokens, num_prompt_tokens) - cached, 0)
+        extra = max(min(c.full_tokens, num_prompt_tokens) - max(cached, best_hit), 0)
         return cached + int(self.junction_credit * extra)
 
-    def breakdown(self, c: Candidate, num_prompt_tokens: int, now: float) -> Breakdown:
+    def breakdown(
+        self, c: Candidate, num_prompt_tokens: int, now: float, best_hit: int = 0
+    ) -> Breakdown:
         r, m = self.defaults, self.model(c.name)
         fixed, k, per_request = m.fit.blended(self.fleet)
         tokens_per_s = 1.0 / (k * r.prefill_s_per_token)
@@ -237,7 +241,7 @@ class CostPolicy(Policy):
         requests = c.inflight_requests + c.running_requests  # what the fit's wait term scales
         # The ranking: fleet-scaled seconds of prefill this choice spends, stretched by
         # the requests it shares the engine with (module docstring).
-        effective = max(num_prompt_tokens - self.credited(c, num_prompt_tokens), 1)
+        effective = max(num_prompt_tokens - self.credited(c, num_prompt_tokens, best_hit), 1)
         stretch = (1 + requests + others) ** self.load_exponent
         objective = self.fleet.scale * effective * r.prefill_s_per_token * stretch
         return Breakdown(
@@ -255,7 +259,9 @@ class CostPolicy(Policy):
 
     def choose(self, candidates: Sequence[Candidate], num_prompt_tokens: int) -> Decision:
         now = self.clock()
-        parts = {c.name: self.breakdown(c, num_prompt_tokens, now) for c in candidates}
+        best_hit = max((min(c.gpu_tokens + c.cpu_tokens, num_prompt_tokens) for c in candidates),
+                       default=0)  # fmt: skip
+        parts = {c.name: self.breakdown(c, num_prompt_tokens, now, best_hit) for c in candidates}
         shuffled = list(candidates)
         self._rng.shuffle(shuffled)
         ranked_c = sorted(
@@ -273,7 +279,7 @@ class CostPolicy(Policy):
             ranked.insert(0, pick)
             reason = "sampled"
         else:
-            holder = self._sticky(ranked_c, parts, num_prompt_tokens)
+            holder = self._sticky(ranked_c, parts, num_prompt_tokens, best_hit)
             if holder is not None and holder != ranked[0]:
                 ranked.remove(holder)
                 ranked.insert(0, holder)
@@ -281,13 +287,17 @@ class CostPolicy(Policy):
         return Decision(ranked[0], ranked, parts, reason)
 
     def _sticky(
-        self, ranked: list[Candidate], parts: dict[str, Breakdown], num_prompt_tokens: int
+        self,
+        ranked: list[Candidate],
+        parts: dict[str, Breakdown],
+        num_prompt_tokens: int,
+        best_hit: int,
     ) -> str | None:
         """Hysteresis: the holder of the longest credited prefix keeps the request while
         its objective is within ``1 + stick_margin`` times the best alternative's."""
         # max() keeps the first of equals: the better-ranked holder.
-        holder = max(ranked, key=lambda c: self.credited(c, num_prompt_tokens))
-        credit = self.credited(holder, num_prompt_tokens)
+        holder = max(ranked, key=lambda c: self.credited(c, num_prompt_tokens, best_hit))
+        credit = self.credited(holder, num_prompt_tokens, best_hit)
         if credit <= 0 or credit < self.min_sticky_fraction * num_prompt_tokens:
             return None
         best = parts[ranked[0].name].objective_s or 0.0
