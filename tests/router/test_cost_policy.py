@@ -129,3 +129,16 @@ def test_breakdown_terms_add_up_to_the_predicted_ttft():
     terms = part.queue_s + part.prefill_s + part.load_s + part.decode_s + part.fixed_s
     assert part.ttft_s == pytest.approx(terms + part.wait_s)
     assert part.decode_s > 0 and part.load_s > 0 and part.queue_s > 0
+
+
+def test_an_instance_that_kept_its_window_blocks_wins_a_one_off_request():
+    # A holds a longer full-attention prefix but no usable hit; B has a real 560-token hit.
+    # Only A's 164 tokens beyond B's hit are credited to it: B wins.
+    p = policy()
+    a = Candidate("a", gpu_tokens=0, full_tokens=724)
+    b = Candidate("b", gpu_tokens=560, full_tokens=560)
+    assert p.choose([a, b], 800).instance == "b"
+    assert p.credited(a, 800, best_hit=560) == 164
+    # A conversation's home: its full prefix counts beyond what others hold now.
+    home = Candidate("home", gpu_tokens=1000, full_tokens=3000)
+    assert p.credited(home, 4000, best_hit=1000) == 3000
