@@ -70,6 +70,14 @@ def replay(
     seed: int = typer.Option(0, help="Prompt text, workload and tie-breaking seed."),
     jobs: int = typer.Option(1, min=1, help="Sim mode: policies simulated in parallel."),
     deadline: float = typer.Option(900.0, help="Live mode: seconds per router before giving up."),
+    suite: str = typer.Option(
+        None,
+        help="Run the routing-quality suite instead: 'all' or comma-separated workloads "
+        "(bench/replay/suite_workloads.py); sim for every workload, live for --live-suite.",
+    ),
+    seeds: str = typer.Option("0,1,2", help="Suite: seeds per cell."),
+    live_suite: str = typer.Option("", help="Suite: workloads also replayed live."),
+    live_seeds: str = typer.Option("0", help="Suite: seeds of the live cells."),
 ) -> None:
     """Replay a trace through each router on fresh engines; write report.md, results.json and
     plots (TTFT CDF, hit ratio, load per instance) under --out."""
@@ -82,6 +90,17 @@ def replay(
     from bench.replay.run import MODES, ReplayJob, run_replay
     from bench.replay.workload import WORKLOAD_KINDS, WorkloadConfig
 
+    if suite is not None:
+        from bench.replay.suite import run_suite_cli
+
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        try:
+            text = run_suite_cli(out, suite, seeds, live_suite, live_seeds, jobs,
+                                 _command("replay"))  # fmt: skip
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--suite") from exc
+        Console().print(text)
+        return
     if (trace is None) == (workload is None):
         raise typer.BadParameter("give exactly one of --trace and --workload")
     if workload is not None and workload not in WORKLOAD_KINDS:

@@ -46,11 +46,14 @@ def build_router(
     policy: Policy | None = None,
     clock: Callable[[], float] | None = None,
     affinity: SessionAffinity | None = None,
+    full_only: bool | None = None,
 ) -> Router:
     """The routing core from ``settings``. ``index`` should already be ``instrument``ed
     when ingest writes through it too; ``policy`` overrides ``settings.policy``'s (the
     simulator seeds its tie-breaking); ``clock`` drives speculative expiry (virtual time);
-    ``affinity`` keeps sessions on their instance (applied after the policy's ranking)."""
+    ``affinity`` keeps sessions on their instance (applied after the policy's ranking);
+    ``full_only`` overrides the scorer's group filter (default: the ``prefix_full_only``
+    baseline scores full-attention groups only)."""
     metrics = metrics or RouterMetrics()
     index = instrument(index, metrics)
     speculative = (
@@ -60,7 +63,11 @@ def build_router(
     )
     return Router(
         registry=registry,
-        scorer=Scorer(index, layouts, full_only=settings.policy == "prefix_full_only"),
+        scorer=Scorer(
+            index,
+            layouts,
+            full_only=settings.policy == "prefix_full_only" if full_only is None else full_only,
+        ),
         index=index,
         policy=policy
         or make_policy(

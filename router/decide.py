@@ -183,6 +183,7 @@ class Router:
     def _candidate(inst: Instance, score: Score | None) -> Candidate:
         gpu, cpu = (score.gpu_tokens, score.cpu_tokens) if score else (0, 0)
         return Candidate(
+            full_tokens=score.junction_tokens if score else 0,
             name=inst.url,
             gpu_tokens=gpu,
             cpu_tokens=cpu,
@@ -269,12 +270,17 @@ class Router:
                     "queue_s": part.queue_s if part else None,
                     "prefill_s": part.prefill_s if part else None,
                     "load_s": part.load_s if part else None,
+                    "decode_s": part.decode_s if part else None,
+                    "fixed_s": part.fixed_s if part else None,
+                    "wait_s": part.wait_s if part else None,
                     "predicted_ttft_s": part.ttft_s if part else None,
+                    "objective_s": part.objective_s if part else None,
                 }
             )
         return {
             "instance": decision.decision.instance,
             "policy": self.policy.name,
+            "reason": decision.decision.reason,
             "prompt_tokens": decision.prompt_tokens,
             "num_blocks": {str(k): len(v) for k, v in decision.hashes.items()},
             "index_ok": decision.index_ok,

@@ -1,15 +1,37 @@
 """Routing policies: pick an instance from per-instance hits and load.
 
-``cost`` (default) predicts each candidate's time to first token and picks the minimum:
+``cost`` (default) ranks candidates by the prefill work a choice spends, stretched by the
+work it shares the engine with:
 
-    TTFT = queue wait + prefill(uncached tokens) + load(CPU-hit tokens)
-    queue wait = (in-flight prefill tokens * prefill rate) + waiting requests * per-request
-                 overhead
+    credited  = hit (GPU + CPU)
+                + junction_credit * (full-attention-only prefix - best hit anywhere)
+    objective = fleet scale * (prompt - credited) * prefill rate
+                * (1 + requests there + others waiting) ** load_exponent   (1.5)
 
-Rates start from configured defaults and are calibrated online per instance from observed
-TTFTs (an exponential moving average of observed / predicted). Ties are broken by the
-least load, then at random -- never by list order, so idle cold traffic spreads out. An
-optional softmax temperature samples instead of taking the minimum.
+The stretch is processor sharing (a prefill interleaved with n others takes ~(1+n) times
+as long) plus the slowdown it imposes on those n, discounted: 1 alone under-spreads
+memory-bound engines, 2 (vllm-router's) spreads conversations off their holders (the
+exponent was chosen on ``kvroute bench replay --suite``). ``full_tokens`` credits where the
+conversation lives even when a sliding-window or Mamba group cut this request's hit short:
+routing there re-creates the sparse state at the junction, so its next requests hit. Only
+the part beyond the best hit any candidate has now is credited: an instance that kept its
+window blocks still wins a one-off request (tests/e2e), unlike a full-attention-only view.
+
+Stickiness with hysteresis: the instance holding the longest credited prefix (the holder)
+keeps the request while its objective is within ``1 + stick_margin`` of the best one, so a
+conversation stays on its holder under moderate load and moves when the stretch of its
+queue outweighs its cache.
+
+Each candidate also gets a predicted TTFT (``Breakdown``): a remaining-work backlog
+(``cost_model.Backlog``: added at dispatch, drained at the fitted rate, retired at first
+byte), others' waiting requests (``engine_waiting`` minus our own in-flight ones, which it
+already counts), uncached prefill, CPU loads, prefill steps stretched by decode, and a
+per-instance fit ``fixed + scale * work + per_request * requests`` learned at decision time
+(``cost_model.TtftFit``, shrunk toward the fleet's fit while an instance has few points).
+The fleet's fitted scale converts the objective to seconds. ``/debug/route`` shows every
+term and ``Decision.reason`` (min_cost, sticky, sampled). Ties are broken by the least
+load, then at random -- never by list order, so idle cold traffic spreads out. An optional
+softmax temperature samples on the objective instead of taking the minimum.
 
 Baselines kept for benchmarks: ``round_robin``, ``least_loaded`` and ``prefix_full_only``
 (the cost policy fed by a scorer that ignores sliding-window and Mamba groups: what peer
@@ -21,8 +43,11 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from router.cost_model import Backlog, TtftFit
 
 __all__ = [
     "POLICIES",
@@ -48,27 +73,46 @@ class Candidate:
     inflight_prefill_tokens: int = 0  # router-side: uncached tokens of those requests
     running_requests: int = 0  # router-side: streams not finished yet
     engine_waiting: int = 0  # engine-reported queue (from /metrics), when known
+    # The longer GPU prefix full attention alone holds there, when a sliding-window or
+    # Mamba group cut the hit short (``Score.junction_tokens``; 0: none): where the
+    # conversation lives, though this request recomputes past ``gpu_tokens``.
+    full_tokens: int = 0
 
 
 @dataclass(slots=True)
 class CostRates:
-    """Per-instance seconds per unit; calibrated online by ``CostPolicy.observe``."""
+    """Raw seconds per unit before the per-instance fit (``TtftFit``) scales them. The
+    defaults are an 8B-class model on one H100 (the simulated engine's timing model)."""
 
     prefill_s_per_token: float = 1e-4
     load_s_per_token: float = 7e-6
     request_overhead_s: float = 0.005
-    calibration: float = 1.0  # EMA of observed / predicted TTFT
+    step_s: float = 0.004  # per engine step
+    decode_step_s: float = 0.012  # per step with decode streams running
+    decode_s_per_seq: float = 2.5e-4  # per running stream per step
+    step_tokens: int = 4096  # prefill tokens per step (max_num_batched_tokens)
 
 
 @dataclass(frozen=True, slots=True)
 class Breakdown:
+    """Predicted TTFT terms for one candidate, in calibrated seconds."""
+
     queue_s: float
     prefill_s: float
     load_s: float
+    decode_s: float = 0.0  # prefill steps stretched by the decode streams running
+    fixed_s: float = 0.0  # fitted fixed term (HTTP, tokenization, scheduling)
+    wait_s: float = 0.0  # fitted wait per request already there (admission, memory)
+    raw_s: float = 0.0  # the uncalibrated work prediction the fit learns from
+    requests: int = 0  # router requests on the instance at decision time (fit feature)
+    objective_s: float | None = None  # TTFT + fleet terms: what the ranking minimises
+    cached_tokens: int = 0
 
     @property
     def ttft_s(self) -> float:
-        return self.queue_s + self.prefill_s + self.load_s
+        return (
+            self.queue_s + self.prefill_s + self.load_s + self.decode_s + self.fixed_s + self.wait_s
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +120,7 @@ class Decision:
     instance: str
     ranked: list[str]  # the chosen one first, then fallbacks for retries
     breakdown: dict[str, Breakdown] = field(default_factory=dict)
+    reason: str = ""  # why the first one (cost policy): "min_cost", "sticky", ...
 
 
 class Policy:
@@ -85,7 +130,7 @@ class Policy:
     def choose(self, candidates: Sequence[Candidate], num_prompt_tokens: int) -> Decision:
         raise NotImplementedError
 
-    def observe(self, instance: str, predicted_ttft_s: float, observed_ttft_s: float) -> None:
+    def observe(self, instance: str, predicted: Breakdown | float, observed_ttft_s: float) -> None:
         """Feedback after a request's first byte (only the cost policy learns from it)."""
 
 
@@ -121,8 +166,14 @@ class LeastLoadedPolicy(Policy):
         return Decision(ranked[0], ranked)
 
 
+@dataclass(slots=True)
+class _Model:
+    backlog: Backlog = field(default_factory=Backlog)
+    fit: TtftFit = field(default_factory=TtftFit)
+
+
 class CostPolicy(Policy):
-    """Minimum predicted TTFT (see module docstring)."""
+    """Sticky minimum-cost routing (see module docstring)."""
 
     name = "cost"
 
@@ -131,68 +182,154 @@ class CostPolicy(Policy):
         defaults: CostRates | None = None,
         *,
         temperature: float = 0.0,
-        ema: float = 0.2,
+        load_exponent: float = 1.5,
+        junction_credit: float = 1.0,
+        stick_margin: float = 0.25,
+        min_sticky_fraction: float = 0.1,
+        fit_decay: float = 0.95,
+        clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
         self.defaults = defaults or CostRates()
         self.temperature = temperature
-        self.ema = ema
-        self.rates: dict[str, CostRates] = {}
+        self.load_exponent = load_exponent
+        self.junction_credit = junction_credit
+        self.stick_margin = stick_margin
+        self.min_sticky_fraction = min_sticky_fraction
+        self.fit_decay = fit_decay
+        self.clock = clock
+        self.models: dict[str, _Model] = {}
+        self.fleet = TtftFit(fit_decay)  # every observation: the prior of a new instance
         self._rng = rng or random.Random()
 
-    def _rates(self, name: str) -> CostRates:
-        r = self.rates.get(name)
-        if r is None:
-            d = self.defaults
-            r = self.rates[name] = CostRates(
-                d.prefill_s_per_token, d.load_s_per_token, d.request_overhead_s
-            )
-        return r
+    def model(self, name: str) -> _Model:
+        m = self.models.get(name)
+        if m is None:
+            m = self.models[name] = _Model(fit=TtftFit(self.fit_decay))
+        return m
 
-    def breakdown(self, c: Candidate, num_prompt_tokens: int) -> Breakdown:
-        r = self._rates(c.name)
+    def credited(self, c: Candidate, num_prompt_tokens: int, best_hit: int = 0) -> int:
+        """Tokens the ranking credits: the hit, plus ``junction_credit`` x the longer prefix
+        full attention alone holds beyond ``best_hit`` (the best hit any candidate has now):
+        routing there re-creates the sparse state at that junction, so the conversation's
+        next requests hit in full. What another instance can serve from cache right now
+        is not credited twice: an instance that kept its window blocks still wins."""
+        cached = min(c.gpu_tokens + c.cpu_tokens, num_prompt_tokens)
+        extra = max(min(c.full_tokens, num_prompt_tokens) - max(cached, best_hit), 0)
+        return cached + int(self.junction_credit * extra)
+
+    def breakdown(
+        self, c: Candidate, num_prompt_tokens: int, now: float, best_hit: int = 0
+    ) -> Breakdown:
+        r, m = self.defaults, self.model(c.name)
+        fixed, k, per_request = m.fit.blended(self.fleet)
+        tokens_per_s = 1.0 / (k * r.prefill_s_per_token)
+        backlog = m.backlog.update(now, c.inflight_prefill_tokens, tokens_per_s)
         cached = min(c.gpu_tokens + c.cpu_tokens, num_prompt_tokens)
         uncached = max(num_prompt_tokens - cached, 1)  # the last token is always computed
-        queue = (
-            c.inflight_prefill_tokens * r.prefill_s_per_token
-            + (c.inflight_requests + c.engine_waiting) * r.request_overhead_s
-        )
+        # engine_waiting counts our own in-flight requests too: only the rest is extra.
+        others = max(0, c.engine_waiting - c.inflight_requests)
+        queue = backlog * r.prefill_s_per_token + others * r.request_overhead_s
+        prefill = uncached * r.prefill_s_per_token
+        load = min(c.cpu_tokens, cached) * r.load_s_per_token
+        steps = math.ceil((backlog + uncached) / r.step_tokens)
+        per_step = r.step_s
+        if c.running_requests:
+            per_step += r.decode_step_s + c.running_requests * r.decode_s_per_seq
+        decode = steps * per_step
+        raw = queue + prefill + load + decode
+        requests = c.inflight_requests + c.running_requests  # what the fit's wait term scales
+        # The ranking: fleet-scaled seconds of prefill this choice spends, stretched by
+        # the requests it shares the engine with (module docstring).
+        effective = max(num_prompt_tokens - self.credited(c, num_prompt_tokens, best_hit), 1)
+        stretch = (1 + requests + others) ** self.load_exponent
+        objective = self.fleet.scale * effective * r.prefill_s_per_token * stretch
         return Breakdown(
-            queue_s=queue * r.calibration,
-            prefill_s=uncached * r.prefill_s_per_token * r.calibration,
-            load_s=c.cpu_tokens * r.load_s_per_token * r.calibration,
+            queue_s=k * queue,
+            prefill_s=k * prefill,
+            load_s=k * load,
+            decode_s=k * decode,
+            fixed_s=fixed,
+            wait_s=per_request * requests,
+            raw_s=raw,
+            requests=requests,
+            objective_s=objective,
+            cached_tokens=cached,
         )
 
     def choose(self, candidates: Sequence[Candidate], num_prompt_tokens: int) -> Decision:
-        parts = {c.name: self.breakdown(c, num_prompt_tokens) for c in candidates}
+        now = self.clock()
+        best_hit = max((min(c.gpu_tokens + c.cpu_tokens, num_prompt_tokens) for c in candidates),
+                       default=0)  # fmt: skip
+        parts = {c.name: self.breakdown(c, num_prompt_tokens, now, best_hit) for c in candidates}
         shuffled = list(candidates)
         self._rng.shuffle(shuffled)
-        ranked_c = sorted(shuffled, key=lambda c: (round(parts[c.name].ttft_s, 9), _load_key(c)))
+        ranked_c = sorted(
+            shuffled, key=lambda c: (round(parts[c.name].objective_s or 0.0, 12), _load_key(c))
+        )
         ranked = [c.name for c in ranked_c]
+        reason = "min_cost"
         if self.temperature > 0 and len(ranked) > 1:
-            best = parts[ranked[0]].ttft_s
-            weights = [math.exp(-(parts[n].ttft_s - best) / self.temperature) for n in ranked]
+            best = parts[ranked[0]].objective_s or 0.0
+            weights = [
+                math.exp(-((parts[n].objective_s or 0.0) - best) / self.temperature) for n in ranked
+            ]
             pick = self._rng.choices(ranked, weights)[0]
             ranked.remove(pick)
             ranked.insert(0, pick)
-        return Decision(ranked[0], ranked, parts)
+            reason = "sampled"
+        else:
+            holder = self._sticky(ranked_c, parts, num_prompt_tokens, best_hit)
+            if holder is not None and holder != ranked[0]:
+                ranked.remove(holder)
+                ranked.insert(0, holder)
+                reason = "sticky"
+        return Decision(ranked[0], ranked, parts, reason)
 
-    def observe(self, instance: str, predicted_ttft_s: float, observed_ttft_s: float) -> None:
-        if predicted_ttft_s <= 0 or observed_ttft_s <= 0:
-            return
-        r = self._rates(instance)
-        raw = predicted_ttft_s / r.calibration  # prediction before calibration
-        ratio = min(max(observed_ttft_s / raw, 0.01), 100.0)
-        r.calibration = (1 - self.ema) * r.calibration + self.ema * ratio
+    def _sticky(
+        self,
+        ranked: list[Candidate],
+        parts: dict[str, Breakdown],
+        num_prompt_tokens: int,
+        best_hit: int,
+    ) -> str | None:
+        """Hysteresis: the holder of the longest credited prefix keeps the request while
+        its objective is within ``1 + stick_margin`` times the best alternative's."""
+        # max() keeps the first of equals: the better-ranked holder.
+        holder = max(ranked, key=lambda c: self.credited(c, num_prompt_tokens, best_hit))
+        credit = self.credited(holder, num_prompt_tokens, best_hit)
+        if credit <= 0 or credit < self.min_sticky_fraction * num_prompt_tokens:
+            return None
+        best = parts[ranked[0].name].objective_s or 0.0
+        if (parts[holder.name].objective_s or 0.0) <= (1 + self.stick_margin) * best:
+            return holder.name
+        return None
+
+    def observe(self, instance: str, predicted: Breakdown | float, observed_ttft_s: float) -> None:
+        """Fit ``instance``'s TTFT on the raw prediction made when the request was routed
+        (pass the decision's ``Breakdown``; a bare float is taken as a raw prediction)."""
+        if isinstance(predicted, Breakdown):
+            raw, requests = predicted.raw_s, predicted.requests
+        else:
+            raw, requests = float(predicted), 0
+        self.model(instance).fit.add(raw, observed_ttft_s, requests)
+        self.fleet.add(raw, observed_ttft_s, requests)
 
 
 POLICIES = ("cost", "round_robin", "least_loaded", "prefix_full_only")
 
 
-def make_policy(name: str, *, temperature: float = 0.0, rates: CostRates | None = None) -> Policy:
+def make_policy(
+    name: str,
+    *,
+    temperature: float = 0.0,
+    rates: CostRates | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    rng: random.Random | None = None,
+) -> Policy:
     """``prefix_full_only`` is the cost policy; the caller pairs it with a full-only scorer."""
     if name in ("cost", "prefix_full_only"):
-        policy = CostPolicy(rates, temperature=temperature)
+        policy = CostPolicy(rates, temperature=temperature, clock=clock, rng=rng)
         policy.name = name
         return policy
     if name == "round_robin":

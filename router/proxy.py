@@ -221,7 +221,7 @@ class Forwarder:
         if streaming and resp.status == 200:
             part = decision.decision.breakdown.get(url)
             if part is not None:
-                self.policy.observe(url, part.ttft_s, ttft)
+                self.policy.observe(url, part, ttft)
         inst.served += 1
         out = [
             (k.encode(), v.encode("latin-1", "replace"))

@@ -97,13 +97,19 @@ class ReplayConfig:
 
 
 def parse_router(spec: str) -> tuple[str, str]:
-    """``ours:POLICY`` -> ("ours", POLICY); a peer name -> (name, its policy)."""
+    """``ours:POLICY`` -> ("ours", POLICY); a peer name -> (name, its policy);
+    ``model:PEER`` -> ("model", "model:PEER") (``bench.replay.peer_models``)."""
     spec = spec.strip()
     if spec.startswith("ours:"):
         policy = spec.split(":", 1)[1]
         if policy not in OURS_POLICIES:
             raise ValueError(f"unknown policy in {spec!r}; expected one of {OURS_POLICIES}")
         return "ours", policy
+    if spec.startswith("model:"):  # a peer's in-process model (sim mode only)
+        peer = spec.split(":", 1)[1]
+        if peer not in PEERS:
+            raise ValueError(f"unknown peer model in {spec!r}; expected model:{'|'.join(PEERS)}")
+        return "model", spec
     if spec == "vllm-router":
         return spec, "kv_aware"
     if spec == "sglang-router":

@@ -154,11 +154,13 @@ def running_router(
     logdir: Path,
     timeout: float = 90.0,
     settle_s: float = 2.0,
+    extra: Sequence[str] = (),
 ) -> Iterator[tuple[str, list[str]]]:
     """Start a router in front of ``engines``; yields (base URL, command). ``settle_s``
-    lets event subscribers connect before traffic (ZMQ drops what a late SUB misses)."""
+    lets event subscribers connect before traffic (ZMQ drops what a late SUB misses);
+    ``extra`` flags go on the router's command line."""
     port = free_port()
-    cmd = router_command(kind, policy, port, engines, cfg)
+    cmd = [*router_command(kind, policy, port, engines, cfg), *extra]
     name = kind if kind != "ours" else f"ours-{policy}"
     proc = spawn(name, cmd, logdir)
     try:

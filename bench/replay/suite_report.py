@@ -1,0 +1,105 @@
+"""The suite's ``report.md`` tables and plots (bar charts with 95% intervals)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["plot_suite", "suite_markdown"]
+
+
+def _cell(a: dict[str, Any], k: str, pct: bool = False, digits: int = 0) -> str:
+    m, ci = a[k]["mean"], a[k]["ci95"]
+    if m is None:
+        return "-"
+    f = 100.0 if pct else 1.0
+    s = f"{m * f:.{1 if pct else digits}f}"
+    if ci is not None:
+        s += f" ± {ci * f:.{1 if pct else digits}f}"
+    return s + ("%" if pct else "")
+
+
+def suite_markdown(res: dict[str, Any], plots: list[Path]) -> str:
+    lines = [
+        "# Routing-quality suite",
+        "",
+        f"Command: `{res['command']}`",
+        "",
+        f"Seeds: sim {res['seeds']}, live {res['live_seeds']}. Cells: mean ± 95% interval "
+        "(Student t over seeds). Times are replay-clock ms at each workload's time scale. "
+        "`model:*` rows are in-process models of the peer routers "
+        "(`bench/replay/peer_models.py`); live rows are the real routers.",
+        "",
+    ]
+    for k, w in res["workloads"].items():
+        lines.append(f"- **{k}**: {w['description']}; {w['engines']} engines, "
+                     f"{w['engine']['profile']}, {w['engine']['gpu_blocks']} GPU blocks, "
+                     f"time scale {w['time_scale']:g}")  # fmt: skip
+    for mode, ws in res["aggregate"].items():
+        if not ws:
+            continue
+        lines += ["", f"## {mode}", ""]
+        for k, per in ws.items():
+            lines += [
+                f"### {k}",
+                "",
+                "| router | reused tokens | TTFT p50 ms | p90 | p99 | req/s | errors |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            for r, a in per.items():
+                lines.append(
+                    f"| {r} | {_cell(a, 'hit_ratio', pct=True)} | {_cell(a, 'ttft_p50_ms')} "
+                    f"| {_cell(a, 'ttft_p90_ms')} | {_cell(a, 'ttft_p99_ms')} "
+                    f"| {_cell(a, 'throughput_req_s', digits=2)} | {a['errors']} |"
+                )
+            t = res["targets"][mode].get(k)
+            if t:
+                lines += [
+                    "",
+                    f"Target vs best peer: reused x{t['hit_ratio_x']:.2f} ({t['best_peer_hit']}),"
+                    f" TTFT p50 x{t['ttft_p50_x']:.2f} ({t['best_peer_p50']}),"
+                    f" p90 x{t['ttft_p90_x']:.2f} ({t['best_peer_p90']}):"
+                    f" {'met' if t['met'] else 'missed'}"
+                    + (
+                        f"; 1.3x / 0.7x target {'met' if t['met_1_3x'] else 'missed'}"
+                        if "met_1_3x" in t
+                        else ""
+                    ),
+                ]
+            lines.append("")
+    lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def plot_suite(agg: dict[str, dict[str, dict[str, Any]]], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for metric, label, fname in (
+        ("hit_ratio", "reused prompt tokens", "suite_hits.png"),
+        ("ttft_p90_ms", "TTFT p90 (ms)", "suite_ttft.png"),
+    ):
+        panels = [(m, k) for m, ws in agg.items() for k in ws]
+        if not panels:
+            continue
+        fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.6), squeeze=False)
+        for ax, (mode, k) in zip(axes[0], panels, strict=True):
+            per = agg[mode][k]
+            names = list(per)
+            f = 100.0 if metric == "hit_ratio" else 1.0
+            ys = [(per[n][metric]["mean"] or 0) * f for n in names]
+            es = [(per[n][metric]["ci95"] or 0) * f for n in names]
+            ax.bar(range(len(names)), ys, yerr=es, capsize=3,
+                   color=["C0" if n == "ours:cost" else "C7" for n in names])  # fmt: skip
+            ax.set_xticks(range(len(names)))
+            ax.set_xticklabels([n.split(":")[-1] for n in names], rotation=60, fontsize=6)
+            ax.set_title(f"{k} ({mode})", fontsize=7)
+            ax.set_ylabel(label if ax is axes[0][0] else "", fontsize=7)
+        fig.tight_layout()
+        paths.append(out / fname)
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+    return paths

@@ -1,0 +1,123 @@
+"""Per-instance state of the cost policy: the remaining prefill work and the TTFT fit.
+
+Two things the router cannot read from an engine but can learn cheaply:
+
+* ``Backlog``: router-dispatched uncached prompt tokens still to prefill. Work is added
+  when the router's in-flight count grows (dispatch), drains at the instance's fitted
+  prefill rate as time passes (the engine works through it), and is capped by what is
+  still in flight (a first byte retires a request's work). Without the drain, one request
+  in flight on a conversation's holder looked as costly a second later as at dispatch.
+* ``TtftFit``: observed TTFT ~= ``fixed_s + scale * work_s + per_request_s * requests``
+  per instance, fitted by exponentially weighted least squares on the features of the
+  prediction made *at decision time* (``Breakdown.raw_s``, ``Breakdown.requests``). The
+  fixed term (HTTP, tokenization, step overhead), the compute rate and the wait per
+  request already on the instance (admission behind running streams when KV memory is
+  full, decode steps interleaved) are different things: one multiplicative factor over
+  all of them mispredicts small prompts when it fits large ones, and misses an engine
+  that is memory-bound rather than compute-bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Backlog", "TtftFit"]
+
+
+@dataclass(slots=True)
+class Backlog:
+    tokens: float = 0.0  # remaining prefill work, in uncached prompt tokens
+    seen_inflight: int = 0  # router in-flight tokens at the last update
+    t: float | None = None
+
+    def update(self, now: float, inflight_tokens: int, tokens_per_s: float) -> float:
+        """The remaining work as of ``now`` given the router's in-flight tokens."""
+        if self.t is not None and now > self.t:
+            self.tokens = max(0.0, self.tokens - (now - self.t) * tokens_per_s)
+        self.t = now
+        if inflight_tokens > self.seen_inflight:  # dispatched since the last look
+            self.tokens += inflight_tokens - self.seen_inflight
+        self.seen_inflight = inflight_tokens
+        self.tokens = min(self.tokens, float(inflight_tokens))  # first bytes retire work
+        return self.tokens
+
+
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when singular."""
+    n = len(v)
+    a = [[*row, v[i]] for i, row in enumerate(m)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(a[r][c]))
+        if abs(a[p][c]) < 1e-12:
+            return None
+        a[c], a[p] = a[p], a[c]
+        for r in range(n):
+            if r != c:
+                f = a[r][c] / a[c][c]
+                for k in range(c, n + 1):
+                    a[r][k] -= f * a[c][k]
+    return [a[i][n] / a[i][i] for i in range(n)]
+
+
+@dataclass(slots=True)
+class TtftFit:
+    """Weighted least squares of observed TTFT on (1, work, requests), forgetting old
+    points by ``decay`` per observation (about ``1 / (1 - decay)`` points of memory).
+    Implausible solutions (a negative coefficient) fall back to fewer terms, down to a
+    plain ratio of observed to predicted."""
+
+    decay: float = 0.95
+    n: float = 0.0
+    # decayed sums of x x^T and x y for x = (1, work_s, requests)
+    xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
+    xy: list[float] = field(default_factory=lambda: [0.0] * 3)
+    fixed_s: float = 0.0
+    scale: float = 1.0
+    per_request_s: float = 0.0
+
+    def add(self, work_s: float, observed_s: float, requests: float = 0.0) -> None:
+        if work_s <= 0 or observed_s <= 0:
+            return
+        observed_s = min(max(observed_s, work_s * 1e-4), work_s * 1e4)  # bound an outlier
+        d = self.decay
+        x = (1.0, work_s, float(requests))
+        self.n = self.n * d + 1
+        for i in range(3):
+            self.xy[i] = self.xy[i] * d + x[i] * observed_s
+            row = self.xx[i]
+            for j in range(3):
+                row[j] = row[j] * d + x[i] * x[j]
+        self._fit()
+
+    def _fit(self) -> None:
+        xx, xy = self.xx, self.xy
+        fixed, scale, per = 0.0, xy[1] / xx[1][1] if xx[1][1] else 1.0, 0.0  # ratio
+        # xx[0][1] = sum of work, xy[0] = sum of observed: the ratio of sums is steadier
+        if xx[0][1] > 0:
+            scale = xy[0] / xx[0][1]
+        if self.n >= 6:
+            for idx in ((0, 1, 2), (1, 2), (0, 1)):
+                sol = _solve([[xx[i][j] for j in idx] for i in idx], [xy[i] for i in idx])
+                if sol is None or min(sol) < 0:
+                    continue
+                coef = dict(zip(idx, sol, strict=True))
+                if coef.get(1, 0.0) <= 0:
+                    continue
+                fixed, scale, per = coef.get(0, 0.0), coef[1], coef.get(2, 0.0)
+                break
+        self.fixed_s, self.scale = fixed, min(max(scale, 1e-4), 1e4)
+        self.per_request_s = per
+
+    def blended(self, prior: TtftFit, strength: float = 5.0) -> tuple[float, float, float]:
+        """``(fixed_s, scale, per_request_s)`` shrunk toward ``prior`` (the fleet's fit)
+        while this instance has few points: an instance not yet observed would otherwise
+        keep the default rates, look many times slower (or faster) than its calibrated
+        peers, and never be chosen (so never observed) again."""
+        if prior.n <= 0:
+            return self.fixed_s, self.scale, self.per_request_s
+        w = self.n / (self.n + strength)
+        return (
+            w * self.fixed_s + (1 - w) * prior.fixed_s,
+            w * self.scale + (1 - w) * prior.scale,
+            w * self.per_request_s + (1 - w) * prior.per_request_s,
+        )

@@ -1,0 +1,74 @@
+"""The routing-quality suite: generators, peer models, intervals and the written report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.replay.peer_models import SglangCacheAwareModel, VllmKvAwareModel
+from bench.replay.suite import interval, run_suite
+from bench.replay.suite_workloads import SUITE, agent_chat
+from bench.replay.trace import TRACE_BLOCK_TOKENS
+from router.policy import Candidate
+
+
+def test_generators_are_deterministic_and_share_whole_blocks():
+    a, b = agent_chat(3), agent_chat(3)
+    assert a == b and a != agent_chat(4)
+    assert len(a) == 6 * 4 + 8 * 5
+    # every agent call starts with the same 10-block (5,120-token) context
+    firsts = {r.hash_ids[:10] for r in a if r.input_length > 5200 and r.hash_ids[0] == 0}
+    assert len(firsts) == 1
+    for key, w in SUITE.items():
+        if w.generate is None:
+            continue
+        for r in w.generate(0):
+            assert len(r.hash_ids) * TRACE_BLOCK_TOKENS >= r.input_length, key
+
+
+def test_interval_is_a_student_t_half_width():
+    iv = interval([1.0, 2.0, 3.0])
+    assert iv["mean"] == 2.0
+    assert iv["ci95"] == pytest.approx(4.303 * 1.0 / 3**0.5, rel=1e-3)
+    assert interval([5.0])["ci95"] is None
+
+
+def test_vllm_model_multiplies_new_tokens_by_squared_load_and_ties_go_first():
+    m = VllmKvAwareModel()
+    # b: 1000 new x 1 = 1000; a: 500 new x (1+1)^2 = 2000
+    d = m.choose([Candidate("a", gpu_tokens=1500, running_requests=1), Candidate("b", 1000)], 2000)
+    assert d.instance == "b"
+    assert m.choose([Candidate("b"), Candidate("a")], 2000).instance == "a"  # tie: first
+
+
+def test_sglang_model_follows_the_longest_text_match_above_the_threshold():
+    m = SglangCacheAwareModel()
+    cands = [Candidate("a"), Candidate("b", running_requests=1)]
+    m.text = "x" * 1000
+    assert m.choose(cands, 1000).instance == "a"  # cold: least loaded
+    m.text = "x" * 1000 + "y" * 500
+    busy = [Candidate("a", running_requests=3), Candidate("b")]
+    assert m.choose(busy, 1500).instance == "a"  # 2/3 matched on a: sticky despite load
+    m.text = "z" * 1000
+    assert m.choose(busy, 1000).instance == "b"  # no match: least loaded
+
+
+def test_suite_writes_report_results_and_plots(tmp_path):
+    res = run_suite(
+        tmp_path,
+        workloads=["a_agent_chat"],
+        seeds=[0, 1],
+        sim_routers=["ours:cost", "model:vllm-router"],
+        command="test",
+    )
+    agg = res["aggregate"]["sim"]["a_agent_chat"]
+    assert agg["ours:cost"]["hit_ratio"]["n"] == 2
+    assert 0 < agg["ours:cost"]["hit_ratio"]["mean"] < 1
+    assert agg["ours:cost"]["ttft_p90_ms"]["mean"] >= agg["ours:cost"]["ttft_p50_ms"]["mean"]
+    t = res["targets"]["sim"]["a_agent_chat"]
+    assert t["best_peer_hit"] == "model:vllm-router"
+    assert json.loads((tmp_path / "results.json").read_text())["seeds"] == [0, 1]
+    report = (tmp_path / "report.md").read_text()
+    assert "| ours:cost |" in report and "±" in report
+    assert (tmp_path / "suite_hits.png").stat().st_size > 1000
