@@ -28,9 +28,10 @@ import httpx
 import zmq
 
 from bench.replay.config import EngineConfig, ReplayConfig, parse_router
-from bench.replay.procs import EngineHandle, EventForwarder, free_port, running_router
+from bench.replay.procs import EngineHandle, running_router
 from bench.replay.suite_workloads import agent_chat
 from bench.replay.trace import TraceRequest, block_text, compress_arrivals
+from stack.procs import EventForwarder, free_port
 
 __all__ = ["VLLM_PY", "run_real"]
 
