@@ -67,15 +67,16 @@ fi
 # ---- wheelhouse ---------------------------------------------------------------------------
 PY=python3
 [ -x .venv/bin/python ] && PY=.venv/bin/python
-mapfile -t REQS < <("$PY" - <<'PY'
-import tomllib
+# One requirement per line: a requirement may hold spaces (an environment marker).
+reqs() {
+  "$PY" -c 'import sys, tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))["project"]
-print(" ".join(p["dependencies"]))
-print(" ".join(p["optional-dependencies"]["engine"]))
-PY
-)
-read -r -a BASE_REQS <<<"${REQS[0]}"
-read -r -a ENGINE_REQS <<<"${REQS[1]}"
+deps = p["dependencies"] if sys.argv[1] == "base" else p["optional-dependencies"][sys.argv[1]]
+print("\n".join(deps))' "$1"
+}
+mapfile -t BASE_REQS < <(reqs base)
+mapfile -t ENGINE_REQS < <(reqs engine)
+REQS=("${BASE_REQS[@]}" "${ENGINE_REQS[@]}")
 WHEELS="$KVR_CACHE/wheels/$(kvr_key "${REQS[@]}" "$TORCH_SPEC" cp311 "$(uname -m)")"
 if [ ! -f "$WHEELS/.complete" ]; then
   kvr_log "preparing the wheelhouse $WHEELS"

@@ -300,8 +300,11 @@ def test_dockerfile_base_image_arg_targets_nonroot_entrypoint_kvroute():
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     includes = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
     copied = {ln.split()[1] for ln in stages["dist"] if ln.startswith("COPY ")}
+    # ... and let through the build context (BuildKit reads the Dockerfile's own ignore file).
+    ignore = (DOCKER / "Dockerfile.dockerignore").read_text().splitlines()
     for pattern in includes:
         assert pattern.rstrip("*") in copied, f"Dockerfile does not COPY {pattern}"
+        assert f"!{pattern.rstrip('*')}/**" in ignore, f"the build context leaves out {pattern}"
 
 
 # ---- compose.local.yaml: the same deployment, host networking, loopback ---------------------
