@@ -27,6 +27,7 @@ from typing import Any
 
 __all__ = [
     "INSTALL_SCRIPT",
+    "MAKE_LORA",
     "MAKE_MODELS",
     "MODEL_NAMES",
     "ensure_models",
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 INSTALL_SCRIPT = HERE / "install.sh"
 MAKE_MODELS = HERE / "make_models.py"
+MAKE_LORA = HERE / "make_lora.py"
 MODEL_NAMES = ("gemma3", "qwen3next", "llama")
 
 

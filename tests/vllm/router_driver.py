@@ -132,7 +132,7 @@ class RouterUnderTest:
     # ---- requests ------------------------------------------------------------------------
 
     def body(self, step: Step, messages: list[dict[str, str]] | None) -> tuple[str, dict]:
-        body = step.body() | {"model": self.servers[0].served_model_name}
+        body = {"model": self.servers[0].served_model_name} | step.body()
         if messages is not None:
             body.pop("prompt", None)
             body["messages"] = messages

@@ -35,6 +35,7 @@ class Step:
     chat_key: int | None = None  # which conversation this turn continues
     extra: dict[str, Any] = field(default_factory=dict)
     cache_salt: str | None = None
+    model: str | None = None  # a served name (a LoRA adapter's); None: the server's model
 
     def body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -49,6 +50,8 @@ class Step:
             body["prompt"] = self.prompt
         if self.cache_salt is not None:
             body["cache_salt"] = self.cache_salt
+        if self.model is not None:
+            body["model"] = self.model
         return body
 
 
