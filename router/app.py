@@ -64,15 +64,12 @@ def create_app(state: RouterState) -> ProxyEndpoints:
         if isinstance(decision, Reply):
             return _response(decision)
         out = await state.router.explain(decision)
-        model = data.get("model")
-        pool = state.models.pool(model, state.registry.healthy(), state.registry.all()) or []
-        lora = state.models.adapter(model, pool)
         out["model"] = {
-            "requested": model,
-            "pool": [i.url for i in pool],  # candidates: those of it not busy
-            "lora": lora[0] if lora else None,
+            "requested": data.get("model"),
+            "pool": [i.url for i in decision.pool],  # candidates: those of it not busy
+            "lora": decision.lora[0] if decision.lora else None,
         }
-        out["admission"] = state.admission.describe(pool)
+        out["admission"] = state.admission.describe(decision.pool)
         return JSONResponse(out)
 
     @app.get("/v1/models")

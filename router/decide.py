@@ -48,6 +48,9 @@ class RouteDecision:
     # router.admission.Ticket: the slot admission gave it, released once a forward starts
     ticket: Any = None
     affinity: dict[str, Any] | None = None  # router.affinity's account, for /debug/route
+    # router.gate's: the model's pool before the busy filter, and the LoRA adapter.
+    pool: list[Any] = field(default_factory=list)
+    lora: tuple[str, str | None] | None = None
 
     def block_hashes(self, instance: str) -> list[int]:
         return self.hashes.get(self.hash_size.get(instance, 0), [])

@@ -57,20 +57,20 @@ async def route_request(
         ticket = await state.admission.admit(pool)
         if isinstance(ticket, Rejected):
             return rejected_reply(ticket)
-    pool = state.admission.open_instances(pool)
-    lora = state.models.adapter(model, pool)
+    candidates = state.admission.open_instances(pool)
+    lora = state.models.adapter(model, candidates)
     session = state.affinity.session_key(HeaderView(headers), data)
     decision = None
     try:
         decision = await state.router.decide(
-            data, kind, record=forward, instances=pool, lora=lora, session=session
+            data, kind, record=forward, instances=candidates, lora=lora, session=session
         )
     finally:
         if decision is None and ticket is not None:
             ticket.release()  # not routed: none healthy, an error, the client gone
     if decision is None:
         return error_reply("no healthy instance", 503, "ServiceUnavailableError")
-    decision.ticket = ticket
+    decision.ticket, decision.pool, decision.lora = ticket, pool, lora
     if forward and dashboard is not None:
         dashboard.record(decision, kind)
     return decision

@@ -188,11 +188,12 @@ class RedisServer:
 
 
 @contextlib.contextmanager
-def private_redis(*args: str) -> Iterator[RedisServer]:
-    """A throw-away redis-server on a free port and a unix socket; stopped on exit."""
+def private_redis(password: str | None = None) -> Iterator[RedisServer]:
+    """A throw-away redis-server on a free port and a unix socket (``password``: required
+    of clients); stopped on exit."""
     with Fleet() as fleet:
         sock = fleet.dir / "redis.sock"
-        p = fleet.redis(None, "--unixsocket", str(sock), *args)
+        p = fleet.redis(None, "--unixsocket", str(sock), password=password)
         yield RedisServer(f"redis://{LOOPBACK}:{p.port}/0", f"unix://{sock}", p.port)
 
 
@@ -270,12 +271,14 @@ class Fleet:
         self.procs.append(p.launch())
         return p.wait_ready()
 
-    def redis(self, port: int | None = None, *args: str) -> Proc:
-        """A private ``redis-server`` on loopback, nothing persisted (``args``: more options)."""
+    def redis(self, port: int | None = None, *args: str, password: str | None = None) -> Proc:
+        """A private ``redis-server`` on loopback, nothing persisted (``args``: more options;
+        ``password``: required of clients, and used by the readiness check)."""
         port = port or free_port()
         cmd = [*redis_command(port, self.dir), *args]
+        if password is not None:
+            cmd += ["--requirepass", password]
         p = Proc(f"redis-{port}", cmd, port, self.dir / f"redis-{port}.log", health_path=None)
-        password = args[args.index("--requirepass") + 1] if "--requirepass" in args else None
         p.redis_password = password
         self.procs.append(p.launch())
         return p.wait_ready(15)

@@ -218,7 +218,7 @@ def test_redis_tls_and_auth_options_come_from_the_index_url():
 @pytest.fixture
 def redis_with_password():
     password = uuid.uuid4().hex
-    with private_redis("--requirepass", password) as server:
+    with private_redis(password=password) as server:
         yield server.port, password
 
 
