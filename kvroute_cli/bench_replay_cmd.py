@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 
 from kvroute_cli.extras import require_extras
+from kvroute_cli.options import fields_from
 
 __all__ = ["overhead", "replay"]
 
@@ -109,39 +110,17 @@ def replay(
         raise typer.BadParameter(f"expected one of {MODES}", param_hint="--mode")
     if time_scale <= 0:
         raise typer.BadParameter("must be positive", param_hint="--time-scale")
-    engine = EngineConfig(
-        profile=profile,
-        gpu_blocks=gpu_blocks,
-        cpu_blocks=cpu_blocks,
-        blocks_per_chunk=blocks_per_chunk,
-        sliding_window=sliding_window,
-        prefill_tokens_per_s=prefill_tokens_per_s,
-        max_num_seqs=max_num_seqs,
-    )
     cfg = ReplayConfig(
-        engines=engines,
-        engine=engine,
-        time_scale=time_scale,
-        max_output_tokens=max_output_tokens,
-        seed=seed,
+        **fields_from(
+            ReplayConfig, locals(), engine=EngineConfig(**fields_from(EngineConfig, locals()))
+        )
     )
     wl = None
     if workload is not None:
         wl = WorkloadConfig(kind=workload, sessions=sessions, session_rate_per_s=session_rate)
-    job = ReplayJob(
-        out=out,
-        routers=_routers(routers),
-        config=cfg,
-        mode=mode,
-        trace=trace,
-        workload=wl,
-        requests=requests,
-        start=start,
-        sample=sample,
-        jobs=jobs,
-        live_deadline_s=deadline,
-        command=_command("replay"),
-    )
+    job = ReplayJob(**fields_from(ReplayJob, locals(), routers=_routers(routers), config=cfg,
+                                  workload=wl, live_deadline_s=deadline,
+                                  command=_command("replay")))  # fmt: skip
     console = Console()
     logging.getLogger("httpx").setLevel(logging.WARNING)
     with Progress(console=console, transient=True) as bar:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from kvroute_cli.extras import require_extras
+from kvroute_cli.options import fields_from
 
 
 def engine(
@@ -72,40 +73,18 @@ def engine(
             raise typer.BadParameter(str(exc), param_hint="--layout") from exc
     loras: dict[str, str] = {}
     for item in lora_modules or []:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
+        lora, sep, path = item.partition("=")  # not `name`: that is the engine's own
+        if not sep or not lora or not path:
             raise typer.BadParameter(
                 f"expected NAME=PATH, got {item!r}", param_hint="--lora-modules"
             )
-        loras[name] = path
+        loras[lora] = path
     if time_scale <= 0 or prefill_tokens_per_s <= 0:
         raise typer.BadParameter("--time-scale and --prefill-tokens-per-s must be positive")
+    timing = TimingModel(prefill_s_per_token=1.0 / prefill_tokens_per_s, time_scale=time_scale)
+    hash_algo = prefix_caching_hash_algo  # vLLM's flag name; the setting's shorter one
     settings = EngineSettings(
-        host=host,
-        port=port,
-        model=model,
-        name=name,
-        profile=profile,
-        layout=layout,
-        block_size=block_size,
-        sliding_window=sliding_window,
-        page_bytes=page_bytes,
-        gpu_blocks=gpu_blocks,
-        cpu_blocks=cpu_blocks,
-        blocks_per_chunk=blocks_per_chunk,
-        offload_policy=offload_policy,
-        kv_events=events,
-        legacy_array_events=legacy_array_events,
-        hash_algo=prefix_caching_hash_algo,
-        seed=seed,
-        tokenizer=tokenizer,
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        timing=TimingModel(prefill_s_per_token=1.0 / prefill_tokens_per_s, time_scale=time_scale),
-        data_parallel_rank=data_parallel_rank,
-        data_parallel_size=data_parallel_size,
-        lora_modules=loras,
+        **fields_from(EngineSettings, locals(), kv_events=events, lora_modules=loras)
     )
     try:
         serve(settings, log_level=log_level)

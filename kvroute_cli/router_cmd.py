@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from kvroute_cli.options import fields_from
+
 
 def router(
     host: str = typer.Option(None, help="Bind address [default 127.0.0.1]."),
@@ -31,19 +33,19 @@ def router(
         None, "--dashboard/--no-dashboard", help="Serve GET /dashboard [default on]."
     ),
     admission_max_waiting: int = typer.Option(
-        None, help="Admission: an instance is busy at this many engine-waiting requests."
+        None, min=0, help="Admission: an instance is busy at this many engine-waiting requests."
     ),
     admission_max_kv_usage: float = typer.Option(
-        None, help="Admission: busy at this engine KV usage (0-1]."
+        None, min=0.0, max=1.0, help="Admission: busy at this engine KV usage (0-1]."
     ),
     admission_max_inflight: int = typer.Option(
-        None, help="Admission: busy at this many router requests in flight to it."
+        None, min=1, help="Admission: busy at this many router requests in flight to it."
     ),
     admission_queue_size: int = typer.Option(
         None, help="Admission: requests that may wait when all are busy [1024]."
     ),
     admission_timeout: float = typer.Option(
-        None, help="Admission: seconds a request may wait before 429 [30]."
+        None, min=0.0, help="Admission: seconds a request may wait before 429 [30]."
     ),
     session_header: str = typer.Option(
         None, help="Session affinity: the header naming a session, e.g. X-Session-ID."
@@ -63,34 +65,13 @@ def router(
     predicted time to first token. Settings: flags > KVROUTE_* env > --config YAML."""
     from pydantic import ValidationError
 
-    from router.config import load_settings
+    from router.config import RouterSettings, load_settings
     from router.server import serve
 
-    flags = {
-        "host": host,
-        "port": port,
-        "instances": instance or None,
-        "index": index,
-        "policy": policy,
-        "model": model,
-        "block_size": block_size,
-        "hash_algo": hash_algo,
-        "seed": seed,
-        "tokenizer": tokenizer,
-        "default_layout": default_layout,
-        "temperature": temperature,
-        "health_interval_s": health_interval,
-        "dashboard": dashboard,
-        "admission_max_waiting": admission_max_waiting,
-        "admission_max_kv_usage": admission_max_kv_usage,
-        "admission_max_inflight": admission_max_inflight,
-        "admission_queue_size": admission_queue_size,
-        "admission_timeout_s": admission_timeout,
-        "session_header": session_header,
-        "session_user_field": session_user_field,
-        "session_max_extra_ttft_s": session_max_extra_ttft,
-        "log_level": log_level,
-    }
+    flags = fields_from(
+        RouterSettings, locals(), instances=instance or None, health_interval_s=health_interval,
+        admission_timeout_s=admission_timeout, session_max_extra_ttft_s=session_max_extra_ttft,
+    )  # fmt: skip
     try:
         settings = load_settings(flags, config)
         from router.state import parse_layout

@@ -17,6 +17,7 @@ from typing import Any
 import typer
 
 from kvroute_cli.extras import require_extras
+from kvroute_cli.options import fields_from
 
 
 def _parse_policies(text: str) -> tuple[str, ...]:
@@ -140,12 +141,13 @@ def up(
         TimeElapsedColumn,
     )
 
-    from stack.demo import DemoError, Observer, RequestRecord, run_up
+    from stack.demo import DemoConfig, DemoError, Observer, RequestRecord, run_up
 
-    names = _parse_policies(policies)
+    try:  # DemoConfig checks the settings (e.g. an unknown profile)
+        cfg = DemoConfig(**fields_from(DemoConfig, locals(), policies=_parse_policies(policies)))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request
-    if not (index in ("memory", "redis") or index.startswith("redis://")):
-        raise typer.BadParameter("use memory, redis or redis://host:port/db", param_hint="--index")
     console = Console()
 
     class _Bar(Observer):
@@ -197,25 +199,8 @@ def up(
             console=console,
             transient=True,
         ) as progress:
-            report = run_up(
-                engines=engines,
-                profile=profile,
-                index=index,
-                policies=names,
-                turns=turns,
-                conversations=conversations,
-                time_scale=time_scale,
-                seed=seed,
-                observer=_Bar(progress),
-                keep_logs=keep_logs,
-                max_tokens=max_tokens,
-                gpu_blocks=gpu_blocks,
-                cpu_blocks=cpu_blocks,
-                engine=engine,
-                hold=(lambda report: _hold(report, progress)) if keep else None,
-            )
-    except ValueError as exc:  # a setting DemoConfig rejects (e.g. an unknown profile)
-        raise typer.BadParameter(str(exc)) from None
+            hold = (lambda report: _hold(report, progress)) if keep else None
+            report = run_up(cfg, observer=_Bar(progress), keep_logs=keep_logs, hold=hold)
     except DemoError as exc:
         console.print(f"[red]kvroute up failed:[/red] {escape(str(exc))}")
         raise typer.Exit(1) from None

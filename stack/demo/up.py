@@ -8,7 +8,7 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -32,39 +32,19 @@ def _router_metrics(router_url: str) -> str | None:
 
 
 def run_up(
-    engines: int = 3,
-    profile: str = "swa-hybrid",
-    index: str = "memory",
-    policies: Sequence[str] = ("cost",),
-    turns: int = 5,
-    conversations: int = 8,
-    time_scale: float = 1.0,
-    seed: int = 0,
+    cfg: DemoConfig,
     *,
     observer: Observer | None = None,
     keep_logs: bool = False,
     hold: Callable[[dict[str, Any]], None] | None = None,
-    **overrides: Any,
 ) -> dict[str, Any]:
-    """Run the demo once per policy, each against fresh engines; return the report.
+    """Run the demo once per policy in ``cfg``, each against fresh engines; return the report.
 
-    ``overrides`` are further :class:`DemoConfig` fields (gpu_blocks, max_tokens, ...).
     ``hold``: called with the report so far once the last policy's workload is done, while
     its engines and router are still up (``kvroute up --keep``); they stop when it returns.
     Raises :class:`DemoError` (logs kept) when the deployment fails to start or a request
     fails; children are stopped in every case, Ctrl-C included.
     """
-    cfg = DemoConfig(
-        engines=engines,
-        profile=profile,
-        index=index,
-        policies=tuple(policies),
-        turns=turns,
-        conversations=conversations,
-        time_scale=time_scale,
-        seed=seed,
-        **overrides,
-    )
     obs = observer or Observer()
     log_dir = Path(tempfile.mkdtemp(prefix="kvroute-up-"))
     rows: list[dict[str, Any]] = []
