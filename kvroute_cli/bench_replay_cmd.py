@@ -178,5 +178,6 @@ def overhead(
     logging.getLogger("httpx").setLevel(logging.WARNING)
     conc = [int(c) for c in clients.split(",") if c.strip()]
     ups = [u.strip() for u in upstreams.split(",") if u.strip()]
-    run_overhead(names, out, rounds, per_batch, conc, ups, command=_command("overhead"))
+    run_overhead(names, out, rounds=rounds, per_batch=per_batch, concurrency=conc, upstreams=ups,
+                 command=_command("overhead"))  # fmt: skip
     Console().print((out / "report.md").read_text())

@@ -64,34 +64,26 @@ class RouteDecision:
         return max(self.prompt_tokens - gpu - cpu, 1)
 
 
+@dataclass(kw_only=True, eq=False)
 class Router:
-    def __init__(
-        self,
-        *,
-        registry: InstanceRegistry,
-        scorer: Scorer,
-        index: BlockIndex,
-        policy: Policy,
-        tokenizer: RoutingTokenizer,
-        speculative: SpeculativeResidency,
-        metrics: RouterMetrics,
-        block_size: int,
-        hash_algo: str,
-        seed: str | None,
-        affinity: SessionAffinity | None = None,
-    ) -> None:
-        self.registry = registry
-        self.scorer = scorer
-        self.index = index
-        self.policy = policy
-        self.tokenizer = tokenizer
-        self.speculative = speculative
-        self.metrics = metrics
-        self.block_size = block_size  # until an instance's events say otherwise
-        self.hash_algo = hash_algo
-        self.seed = seed
-        self.affinity = affinity
-        self.prompt_hashes = PromptHashes(hash_algo, seed)
+    """The routing decision: tokenize, hash, look up, score, choose (``build_router``
+    wires one from settings)."""
+
+    registry: InstanceRegistry
+    scorer: Scorer
+    index: BlockIndex
+    policy: Policy
+    tokenizer: RoutingTokenizer
+    speculative: SpeculativeResidency
+    metrics: RouterMetrics
+    block_size: int  # until an instance's events say otherwise
+    hash_algo: str
+    seed: str | None
+    affinity: SessionAffinity | None = None
+    prompt_hashes: PromptHashes = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_hashes = PromptHashes(self.hash_algo, self.seed)
 
     def hash_block_size(self, instance: str) -> int:
         layout = self.scorer.layouts.get(instance)

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 import httpx
 
@@ -76,35 +76,25 @@ class Instance:
 OnChange = Callable[[Instance, bool], Awaitable[None]]
 
 
+@dataclass(eq=False)
 class InstanceRegistry:
     """Registered instances plus a background health checker."""
 
-    def __init__(
-        self,
-        client: httpx.AsyncClient,
-        *,
-        interval_s: float = 2.0,
-        timeout_s: float = 2.0,
-        failures: int = 2,
-        successes: int = 1,
-        read_metrics: bool = True,
-        on_change: OnChange | None = None,
-        on_block_size: Callable[[str, int], None] | None = None,
-    ) -> None:
-        self._client = client
-        self.interval_s = interval_s
-        self.timeout_s = timeout_s
-        self.failures = failures
-        self.successes = successes
-        self.read_metrics = read_metrics
-        self.on_change = on_change
-        self.on_block_size = on_block_size
-        self._instances: dict[str, Instance] = {}
-        # Called after each probe round (admission re-checks its thresholds).
-        self.on_probed: Callable[[], None] | None = None
-        # Called after each good probe of one instance (its served models are re-read).
-        self.on_up: Callable[[Instance], Awaitable[None]] | None = None
-        self._task: asyncio.Task[None] | None = None
+    client: httpx.AsyncClient
+    _: KW_ONLY
+    interval_s: float = 2.0
+    timeout_s: float = 2.0
+    failures: int = 2  # failed probes in a row that mark an instance down
+    successes: int = 1  # good probes in a row that bring it back
+    read_metrics: bool = True
+    on_change: OnChange | None = None
+    on_block_size: Callable[[str, int], None] | None = None
+    # Called after each probe round (admission re-checks its thresholds).
+    on_probed: Callable[[], None] | None = field(default=None, init=False)
+    # Called after each good probe of one instance (its served models are re-read).
+    on_up: Callable[[Instance], Awaitable[None]] | None = field(default=None, init=False)
+    _instances: dict[str, Instance] = field(default_factory=dict, init=False, repr=False)
+    _task: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
 
     # ---- membership -------------------------------------------------------------------
 
@@ -154,7 +144,7 @@ class InstanceRegistry:
     async def probe(self, inst: Instance) -> bool:
         ok = False
         try:
-            r = await self._client.get(f"{inst.http_url}/health", timeout=self.timeout_s)
+            r = await self.client.get(f"{inst.http_url}/health", timeout=self.timeout_s)
             ok = r.status_code == 200
             if ok and self.read_metrics:
                 await self._read_waiting(inst)
@@ -186,7 +176,7 @@ class InstanceRegistry:
 
     async def _read_waiting(self, inst: Instance) -> None:
         try:
-            r = await self._client.get(f"{inst.http_url}/metrics", timeout=self.timeout_s)
+            r = await self.client.get(f"{inst.http_url}/metrics", timeout=self.timeout_s)
         except httpx.HTTPError:
             return
         if r.status_code != 200:

@@ -131,22 +131,17 @@ async def _time(fn: Callable[[], Awaitable[None]], repeats: int) -> list[float]:
 
 
 def run_overhead(
-    routers: Sequence[str],
-    out: Path,
-    rounds: int = 20,
-    per_batch: int = 20,
-    concurrency: Sequence[int] = (1, 4, 16),
-    upstreams: Sequence[str] = ("minimal", "engine"),
-    command: str | None = None,
+    routers: Sequence[str], out: Path, *, command: str | None = None, **proxy: Any
 ) -> dict[str, Any]:
-    """Both measurements; writes ``results.json`` and ``report.md`` under ``out``."""
+    """Both measurements; writes ``results.json`` and ``report.md`` under ``out``.
+    ``proxy``: ``proxy_overhead``'s settings (rounds, per_batch, concurrency, upstreams)."""
     out.mkdir(parents=True, exist_ok=True)
     machine = machine_info()
     report = {
         "command": command or " ".join(machine["argv"]),
         "machine": machine,
         "decision_time": decision_time(),
-        "proxy": proxy_overhead(routers, out, rounds, per_batch, concurrency, upstreams),
+        "proxy": proxy_overhead(routers, out, **proxy),
     }
     (out / "results.json").write_text(json.dumps(report, indent=1))
     (out / "report.md").write_text(overhead_markdown(report))

@@ -164,56 +164,39 @@ class SuiteWorkload:
     max_output_tokens: int = 128
 
 
+_TRACES = "bench/replay/traces"
+# key: (what it is, engines, profile, GPU blocks per engine, time scale, generator or trace)
+_ROWS: dict[str, tuple[str, int, str, int, float, Callable[[int], list[TraceRequest]] | str]] = {
+    "a_agent_chat": (
+        "agent fan-out (6x4 on a 5k context) + 8 chats over 3 system prompts, swa-hybrid",
+        3, "swa-hybrid", 700, 20.0, agent_chat,
+    ),
+    "b_mooncake_conversation": (
+        "Mooncake conversation trace (shipped; first 500 requests), gemma3 layout",
+        8, "gemma3", 16_384, 4.0, f"{_TRACES}/conversation_slice.jsonl",
+    ),
+    "b_mooncake_synthetic": (
+        "Mooncake synthetic trace (FAST25-release; first 500 requests), gemma3 layout",
+        8, "gemma3", 16_384, 4.0, f"{_TRACES}/synthetic_slice.jsonl",
+    ),
+    "c_rag": (
+        "long-document RAG, question suffix > window, gemma3 (swa:1024*5,full)",
+        3, "gemma3", 3000, 10.0, rag,
+    ),
+    "d_branching": (
+        "branching agents on qwen3-next (mamba*3,full, 256-token blocks)",
+        3, "qwen3-next", 100, 10.0, branching,
+    ),
+    "e_recency": (
+        "replicas differing only in prefix recency (6 hot prefixes + cold traffic)",
+        3, "swa-hybrid", 1600, 10.0, recency,
+    ),
+}  # fmt: skip
 SUITE: dict[str, SuiteWorkload] = {
-    w.key: w
-    for w in (
-        SuiteWorkload(
-            "a_agent_chat",
-            "agent fan-out (6x4 on a 5k context) + 8 chats over 3 system prompts, swa-hybrid",
-            3,
-            EngineConfig(profile="swa-hybrid", gpu_blocks=700, cpu_blocks=0),
-            20.0,
-            generate=agent_chat,
-        ),
-        SuiteWorkload(
-            "b_mooncake_conversation",
-            "Mooncake conversation trace (shipped; first 500 requests), gemma3 layout",
-            8,
-            EngineConfig(profile="gemma3", gpu_blocks=16_384, cpu_blocks=0),
-            4.0,
-            trace="bench/replay/traces/conversation_slice.jsonl",
-        ),
-        SuiteWorkload(
-            "b_mooncake_synthetic",
-            "Mooncake synthetic trace (FAST25-release; first 500 requests), gemma3 layout",
-            8,
-            EngineConfig(profile="gemma3", gpu_blocks=16_384, cpu_blocks=0),
-            4.0,
-            trace="bench/replay/traces/synthetic_slice.jsonl",
-        ),
-        SuiteWorkload(
-            "c_rag",
-            "long-document RAG, question suffix > window, gemma3 (swa:1024*5,full)",
-            3,
-            EngineConfig(profile="gemma3", gpu_blocks=3000, cpu_blocks=0),
-            10.0,
-            generate=rag,
-        ),
-        SuiteWorkload(
-            "d_branching",
-            "branching agents on qwen3-next (mamba*3,full, 256-token blocks)",
-            3,
-            EngineConfig(profile="qwen3-next", gpu_blocks=100, cpu_blocks=0),
-            10.0,
-            generate=branching,
-        ),
-        SuiteWorkload(
-            "e_recency",
-            "replicas differing only in prefix recency (6 hot prefixes + cold traffic)",
-            3,
-            EngineConfig(profile="swa-hybrid", gpu_blocks=1600, cpu_blocks=0),
-            10.0,
-            generate=recency,
-        ),
+    key: SuiteWorkload(
+        key, text, engines, EngineConfig(profile=profile, gpu_blocks=blocks, cpu_blocks=0),
+        scale, generate=None if isinstance(src, str) else src,
+        trace=src if isinstance(src, str) else None,
     )
-}
+    for key, (text, engines, profile, blocks, scale, src) in _ROWS.items()
+}  # fmt: skip

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 
 from prometheus_client import CollectorRegistry
 
@@ -23,42 +24,35 @@ from router.layout import InstanceLayout, LayoutRegistry
 log = logging.getLogger("router.ingest")
 
 
+@dataclass(eq=False)
 class IngestManager:
     """Owns one event source per instance and feeds an index (and the layout registry)."""
 
-    def __init__(
-        self,
-        index: BlockIndex,
-        layouts: LayoutRegistry | None = None,
-        *,
-        registry: CollectorRegistry | None = None,
-        source_factory: SourceFactory | None = None,
-        replay_timeout: float = 2.0,
-        heartbeat_s: float | None = 30.0,
-        retry_delays: tuple[float, ...] = (0.05, 0.2, 1.0, 2.0, 5.0),
-        cursor_check_s: float | None = 2.0,
-        drain_batches: int = 64,
-        drain_blocks: int = 16_384,
-    ) -> None:
-        self.index = index
-        self.layouts = layouts if layouts is not None else LayoutRegistry()
+    index: BlockIndex
+    layouts: LayoutRegistry = field(default_factory=LayoutRegistry)
+    _: KW_ONLY
+    registry: InitVar[CollectorRegistry | None] = None  # where IngestMetrics registers
+    source_factory: SourceFactory | None = None  # default: a ZMQ subscriber per instance
+    replay_timeout: float = 2.0
+    heartbeat_s: float | None = 30.0
+    retry_delays: tuple[float, ...] = (0.05, 0.2, 1.0, 2.0, 5.0)
+    cursor_check_s: float | None = 2.0
+    # A backlog is applied in chunks of at most this many batches / blocks: one index
+    # round trip each, small enough that waiters and lag see progress every few ms.
+    drain_batches: int = 64
+    drain_blocks: int = 16_384
+    # Called with the instance name after its batches were applied (the router hands
+    # speculative residency over to the index there).
+    on_applied: Callable[[str], None] | None = field(default=None, init=False)
+    metrics: IngestMetrics = field(init=False)
+    _feeds: dict[str, Feed] = field(default_factory=dict, init=False, repr=False)
+    _beat: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
+    _watch: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
+    _closed: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self, registry: CollectorRegistry | None) -> None:
         self.metrics = IngestMetrics(registry)
-        self._factory = source_factory or self._zmq_source
-        self._replay_timeout = replay_timeout
-        self._heartbeat_s = heartbeat_s
-        self._retry_delays = retry_delays
-        self._cursor_check_s = cursor_check_s
-        # A backlog is applied in chunks of at most this many batches / blocks: one index
-        # round trip each, small enough that waiters and lag see progress every few ms.
-        self._drain_batches = drain_batches
-        self._drain_blocks = drain_blocks
-        self._feeds: dict[str, Feed] = {}
-        # Called with the instance name after its batches were applied (the router hands
-        # speculative residency over to the index there).
-        self.on_applied: Callable[[str], None] | None = None
-        self._beat: asyncio.Task[None] | None = None
-        self._watch: asyncio.Task[None] | None = None
-        self._closed = False
+        self._factory = self.source_factory or self._zmq_source
 
     def _zmq_source(self, source: InstanceSource, start_seq: int | None) -> EventSource:
         from events.subscriber import ZmqEventSubscriber
@@ -69,7 +63,7 @@ class IngestManager:
             source.topic,
             start_seq=start_seq,
             bind=source.bind,
-            replay_timeout=self._replay_timeout,
+            replay_timeout=self.replay_timeout,
             name=source.name,
         )
 
@@ -96,9 +90,9 @@ class IngestManager:
         feed = Feed(InstanceSource(name, endpoint, replay_endpoint, topic, bind), start_seq)
         self._feeds[name] = feed
         feed.task = asyncio.get_running_loop().create_task(self._run(feed), name=f"ingest-{name}")
-        if self._heartbeat_s and self._beat is None:
+        if self.heartbeat_s and self._beat is None:
             self._beat = asyncio.get_running_loop().create_task(self._heartbeat())
-        if self._cursor_check_s and self._watch is None:
+        if self.cursor_check_s and self._watch is None:
             self._watch = asyncio.get_running_loop().create_task(self._watch_cursors())
 
     async def remove_instance(self, name: str) -> None:
@@ -189,7 +183,7 @@ class IngestManager:
             try:
                 await sub.start()
                 ahead = ReadAhead(sub)
-                while items := await ahead.next(self._drain_batches):
+                while items := await ahead.next(self.drain_batches):
                     resync = await self._handle_many(feed, items)
                     self._sync_stats(feed, sub)
                     failures = 0
@@ -230,7 +224,7 @@ class IngestManager:
             run: list[BatchReceived] = []
             blocks = 0
             for item in items[i:]:
-                if not isinstance(item, BatchReceived) or (run and blocks >= self._drain_blocks):
+                if not isinstance(item, BatchReceived) or (run and blocks >= self.drain_blocks):
                     break
                 blocks += _blocks(item.batch)
                 run.append(item)
@@ -339,7 +333,7 @@ class IngestManager:
         """Apply ``items`` in order (retrying): ``applied``/``stale`` per batch, cut short
         by an ``error`` at the first batch that failed or found our state gone."""
         name = feed.source.name
-        for delay in (*self._retry_delays, None):
+        for delay in (*self.retry_delays, None):
             # Once a batch was applied since the last clear, the index holds our cursor: a
             # batch that finds none means the index lost the instance (a Redis restarted
             # empty, a reaped heartbeat) -- rebuild from replay rather than onto nothing.
@@ -417,9 +411,9 @@ class IngestManager:
 
     async def _heartbeat(self) -> None:
         """Keep shared-index heartbeats fresh; drop instances whose ingesters died."""
-        assert self._heartbeat_s
+        assert self.heartbeat_s
         while True:
-            await asyncio.sleep(self._heartbeat_s)
+            await asyncio.sleep(self.heartbeat_s)
             for name in list(self._feeds):
                 with contextlib.suppress(Exception):
                     await self.index.touch(name)
@@ -431,9 +425,9 @@ class IngestManager:
     async def _watch_cursors(self) -> None:
         """Idle instances: a synced feed whose cursor vanished lost its state (a Redis that
         restarted empty, a reaped heartbeat); busy ones learn it from ``apply_many``."""
-        assert self._cursor_check_s
+        assert self.cursor_check_s
         while True:
-            await asyncio.sleep(self._cursor_check_s)
+            await asyncio.sleep(self.cursor_check_s)
             for name, feed in list(self._feeds.items()):
                 if not feed.synced:
                     continue

@@ -20,7 +20,8 @@ figures the table prints:
 * ``stream_load``: many concurrent streams through the router, each stream's text checked
   against the engine's deterministic filler; the router's RSS before and after.
 
-The result types live in ``results`` (one dataclass per scenario, each field commented);
+The result types live in ``results`` (one dataclass per scenario, each field commented;
+import them from there);
 the runner prints each result's ``row()`` and writes its ``asdict`` into ``chaos.json``.
 
 ``run(out, ...)`` runs them all, prints the table and writes ``out/chaos.json``.
@@ -49,21 +50,6 @@ from stack.chaos.fuzz_http import fuzz_http, oversize_checks
 from stack.chaos.fuzz_http import http_cases as http_cases
 from stack.chaos.fuzz_http import judge_http as judge_http
 from stack.chaos.load import stream_load
-from stack.chaos.results import (
-    ChaosResult,
-    ChunkedAnswer,
-    DroppedEventsResult,
-    EngineKillResult,
-    FuzzEventsResult,
-    FuzzHttpResult,
-    HttpFuzzRun,
-    MsgpackFuzzRun,
-    OversizeAnswer,
-    OversizeResult,
-    RedisOutageResult,
-    Row,
-    StreamLoadResult,
-)
 from stack.chaos.runner import run
 from stack.procs import KVROUTE as KVROUTE
 from stack.procs import LOOPBACK as LOOPBACK
@@ -75,20 +61,7 @@ from stack.procs import start_engines as start_engines
 from stack.procs import wait_http as wait_http
 
 __all__ = [
-    "ChaosResult",
-    "ChunkedAnswer",
-    "DroppedEventsResult",
-    "EngineKillResult",
     "Fleet",
-    "FuzzEventsResult",
-    "FuzzHttpResult",
-    "HttpFuzzRun",
-    "MsgpackFuzzRun",
-    "OversizeAnswer",
-    "OversizeResult",
-    "RedisOutageResult",
-    "Row",
-    "StreamLoadResult",
     "StreamOutcome",
     "dropped_events",
     "engine_kill",

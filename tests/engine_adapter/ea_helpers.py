@@ -64,6 +64,12 @@ def tokens(rng: random.Random, n: int, vocab: int = 50_000) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
+def opening(seed: int, num_tokens: int) -> tuple[EventState, random.Random, list[int]]:
+    """A test's usual start: an empty event view, a seeded rng and a prompt drawn from it."""
+    rng = random.Random(seed)
+    return EventState(), rng, tokens(rng, num_tokens)
+
+
 def admit(kv: KVCacheManager, req: Request, chunk: int | None = None) -> tuple[int, int]:
     """Look up and allocate a new request's prefill (or its first ``chunk`` tokens)."""
     gpu, cpu = kv.lookup(req)

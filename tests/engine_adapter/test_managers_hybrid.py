@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from ea_helpers import EventState, admit, decode, events_of, prefill, tokens
+from ea_helpers import EventState, admit, decode, events_of, opening, prefill, tokens
 
 from engine_adapter.kv_cache_manager import KVCacheManager
 from engine_adapter.profiles import get_profile
@@ -146,9 +146,7 @@ def test_swa_freed_blocks_reused_unhashed_first_then_least_recent() -> None:
 
 def test_swa_hit_lands_on_the_replay_window_and_a_branch_inside_the_prompt_misses() -> None:
     kv = kv_for("swa-hybrid", 23)
-    state = EventState()
-    rng = random.Random(3)
-    prompt = tokens(rng, 160)
+    state, rng, prompt = opening(3, 160)
     a = kv.new_request("a", prompt)
     prefill(kv, a, state)
     decode(kv, a, 1)
@@ -222,9 +220,7 @@ def test_mamba_caches_only_the_replay_boundary_state() -> None:
 
 def test_mamba_chunked_prefill_caches_only_the_boundary_and_a_branch_adds_its_junction() -> None:
     kv = kv_for("mamba-hybrid", 257)
-    state = EventState()
-    rng = random.Random(6)
-    prompt = tokens(rng, 1000)
+    state, rng, prompt = opening(6, 1000)
     req = kv.new_request("r", prompt)
     admit(kv, req, chunk=256)
     step(kv, state)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from ea_helpers import EventState, admit, decode, events_of, prefill, tokens
+from ea_helpers import EventState, admit, decode, events_of, opening, prefill, tokens
 
 from engine_adapter.kv_cache_manager import KVCacheManager
 from engine_adapter.offload import OffloadConfig
@@ -165,9 +165,7 @@ def test_cpu_hit_extends_gpu_hit_across_groups(profile: str) -> None:
 
 def test_cpu_hit_needs_a_whole_chunk_beyond_gpu_hit() -> None:
     kv = make_kv("full", num_blocks=10)  # 9 usable blocks + the null block
-    state = EventState()
-    rng = random.Random(2)
-    prompt = tokens(rng, 128)
+    state, rng, prompt = opening(2, 128)
     a = kv.new_request("a", prompt)
     prefill_and_free(kv, a, state)
     evict_gpu(kv, rng, 32, state)  # takes the never-used block, then a's tail (block 7)
@@ -180,9 +178,7 @@ def test_cpu_hit_needs_a_whole_chunk_beyond_gpu_hit() -> None:
 
 def test_full_attention_cpu_hit_may_cover_the_whole_prompt() -> None:
     kv = make_kv("full", num_blocks=17)  # 16 usable blocks + the null block
-    state = EventState()
-    rng = random.Random(3)
-    prompt = tokens(rng, 128)
+    state, rng, prompt = opening(3, 128)
     a = kv.new_request("a", prompt)
     prefill_and_free(kv, a, state)
     evict_gpu(kv, rng, 256, state)  # every GPU block recycled
@@ -199,9 +195,7 @@ def test_full_attention_cpu_hit_may_cover_the_whole_prompt() -> None:
 
 def test_swa_cpu_lookup_needs_only_the_last_window_of_chunks() -> None:
     kv = make_kv("swa-hybrid", num_blocks=49, chunks=64)  # 48 usable + the null block
-    state = EventState()
-    rng = random.Random(4)
-    prompt = tokens(rng, 320)
+    state, rng, prompt = opening(4, 320)
     a = kv.new_request("a", prompt)
     prefill_and_free(kv, a, state)
     # Drop the SWA group's early chunks 0..2 from the CPU tier (as evictions would).

@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from stack.chaos import (
+from stack.chaos import run
+from stack.chaos.results import (
     ChunkedAnswer,
     FuzzHttpResult,
     HttpFuzzRun,
     OversizeAnswer,
     OversizeResult,
-    run,
 )
 
 ROW_KEYS = ["fault", "injected", "requests", "lost", "recovery_s", "notes"]
