@@ -45,7 +45,7 @@ class AdmissionConfig:
     max_kv_usage: float | None = None  # engine's KV usage, 0..1
     max_inflight: int | None = None  # router's requests in flight to the instance
     queue_size: int = 1024
-    queue_timeout_s: float = 30.0
+    timeout_s: float = 30.0
     retry_after_s: float | None = None  # None: the queue timeout
 
     @property
@@ -171,13 +171,13 @@ class AdmissionController:
         self.depth.set(len(self._queue))
         t0 = time.monotonic()
         try:
-            ticket = await asyncio.wait_for(asyncio.shield(fut), c.queue_timeout_s)
+            ticket = await asyncio.wait_for(asyncio.shield(fut), c.timeout_s)
         except TimeoutError:
             if not fut.done():
                 self._queue.remove(entry)
                 self.depth.set(len(self._queue))
                 return self._reject(
-                    "timeout", f"every instance busy for {c.queue_timeout_s:g} s; try later"
+                    "timeout", f"every instance busy for {c.timeout_s:g} s; try later"
                 )
             ticket = fut.result()  # admitted at the very instant it timed out
         except asyncio.CancelledError:  # the client went away while queued
@@ -198,7 +198,7 @@ class AdmissionController:
     def _reject(self, reason: str, message: str) -> Rejected:
         self.rejections.labels(reason).inc()
         c = self.config
-        after = c.retry_after_s if c.retry_after_s is not None else c.queue_timeout_s
+        after = c.retry_after_s if c.retry_after_s is not None else c.timeout_s
         return Rejected(reason, max(1, math.ceil(after)), message)
 
     def _release(self, ticket: Ticket) -> None:

@@ -227,6 +227,12 @@ class RouterSettings(BaseSettings):
     session_max_sessions: int = Field(100_000, ge=1)
     log_level: str = "info"
 
+    def section(self, prefix: str) -> dict[str, Any]:
+        """The settings named ``<prefix>_<name>`` as ``{name: value}``: the config of one
+        component (``health``, ``admission``, ``session``), whose fields bear those names."""
+        cut = len(prefix) + 1
+        return {k[cut:]: v for k, v in self if k.startswith(f"{prefix}_")}
+
     @field_validator("policy")
     @classmethod
     def _policy(cls, v: str) -> str:

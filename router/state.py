@@ -66,23 +66,13 @@ class RouterState:
         self.ingest = IngestManager(self.index, self.layouts, registry=self.metrics.registry)
         self.registry = InstanceRegistry(
             self.client,
-            interval_s=s.health_interval_s,
-            timeout_s=s.health_timeout_s,
-            failures=s.health_failures,
-            successes=s.health_successes,
+            **s.section("health"),
             read_metrics=s.engine_metrics,
             on_change=self._health_changed,
             on_block_size=self.layouts.hint_block_size,
         )
         self.affinity = SessionAffinity(
-            AffinityConfig(
-                header=s.session_header,
-                user_field=s.session_user_field,
-                max_extra_ttft_s=s.session_max_extra_ttft_s,
-                max_sessions=s.session_max_sessions,
-                ttl_s=s.session_ttl_s,
-            ),
-            self.metrics.registry,
+            AffinityConfig(**s.section("session")), self.metrics.registry
         )
         self.router = build_router(
             s,
@@ -98,15 +88,7 @@ class RouterState:
         self.speculative = self.router.speculative
         self.ingest.on_applied = self.speculative.flush
         self.admission = AdmissionController(
-            AdmissionConfig(
-                max_waiting=s.admission_max_waiting,
-                max_kv_usage=s.admission_max_kv_usage,
-                max_inflight=s.admission_max_inflight,
-                queue_size=s.admission_queue_size,
-                queue_timeout_s=s.admission_timeout_s,
-                retry_after_s=s.admission_retry_after_s,
-            ),
-            self.metrics.registry,
+            AdmissionConfig(**s.section("admission")), self.metrics.registry
         )
         self.registry.on_probed = self.admission.notify
         self.models = ModelRegistry(self.client, s.health_timeout_s)

@@ -11,6 +11,7 @@ from engine_adapter.kv_cache_manager import KVCacheManager
 from engine_adapter.offload import OffloadConfig
 from engine_adapter.offload.lookup import touch_keys
 from engine_adapter.profiles import get_profile
+from engine_adapter.request import Request
 from events.offload_hit import offload_hit
 from events.structs import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -46,6 +47,16 @@ def prefill_and_free(kv: KVCacheManager, req, state: EventState) -> None:
 def evict_gpu(kv: KVCacheManager, rng: random.Random, num_tokens: int, state: EventState) -> None:
     """Run a throwaway request that recycles ``num_tokens // 16`` blocks per group."""
     prefill_and_free(kv, kv.new_request(f"flood{rng.random()}", tokens(rng, num_tokens)), state)
+
+
+def offloaded(
+    kv: KVCacheManager, seed: int, num_tokens: int
+) -> tuple[EventState, random.Random, Request]:
+    """A random prompt prefilled, freed and copied to the CPU tier; its events applied."""
+    state, rng, prompt = opening(seed, num_tokens)
+    req = kv.new_request("a", prompt)
+    prefill_and_free(kv, req, state)
+    return state, rng, req
 
 
 def end_step(kv: KVCacheManager) -> list[object]:
@@ -165,9 +176,8 @@ def test_cpu_hit_extends_gpu_hit_across_groups(profile: str) -> None:
 
 def test_cpu_hit_needs_a_whole_chunk_beyond_gpu_hit() -> None:
     kv = make_kv("full", num_blocks=10)  # 9 usable blocks + the null block
-    state, rng, prompt = opening(2, 128)
-    a = kv.new_request("a", prompt)
-    prefill_and_free(kv, a, state)
+    state, rng, a = offloaded(kv, 2, 128)
+    prompt = a.prompt_token_ids
     evict_gpu(kv, rng, 32, state)  # takes the never-used block, then a's tail (block 7)
     probe = kv.new_request("p", [*prompt, 1])
     assert kv.get_computed_blocks(probe) == 112
@@ -178,9 +188,8 @@ def test_cpu_hit_needs_a_whole_chunk_beyond_gpu_hit() -> None:
 
 def test_full_attention_cpu_hit_may_cover_the_whole_prompt() -> None:
     kv = make_kv("full", num_blocks=17)  # 16 usable blocks + the null block
-    state, rng, prompt = opening(3, 128)
-    a = kv.new_request("a", prompt)
-    prefill_and_free(kv, a, state)
+    state, rng, a = offloaded(kv, 3, 128)
+    prompt = a.prompt_token_ids
     evict_gpu(kv, rng, 256, state)  # every GPU block recycled
     probe = kv.new_request("p", prompt)
     gpu, cpu = kv.lookup(probe)
@@ -195,9 +204,8 @@ def test_full_attention_cpu_hit_may_cover_the_whole_prompt() -> None:
 
 def test_swa_cpu_lookup_needs_only_the_last_window_of_chunks() -> None:
     kv = make_kv("swa-hybrid", num_blocks=49, chunks=64)  # 48 usable + the null block
-    state, rng, prompt = opening(4, 320)
-    a = kv.new_request("a", prompt)
-    prefill_and_free(kv, a, state)
+    state, rng, a = offloaded(kv, 4, 320)
+    prompt = a.prompt_token_ids
     # Drop the SWA group's early chunks 0..2 from the CPU tier (as evictions would).
     off = kv.offload
     victims = []

@@ -39,36 +39,23 @@ class EngineMachine(RuleBasedStateMachine):
     @initialize(
         profile=st.sampled_from(PROFILE_NAMES),
         pool_per_group=st.booleans(),
-        blocks_per_chunk=st.sampled_from([1, 2]),
-        policy=st.sampled_from(["lru", "arc"]),
-        self_describing=st.booleans(),
-        prompt_only=st.booleans(),
+        offload=st.builds(
+            OffloadConfig,
+            num_cpu_chunks=st.integers(4, 32),
+            blocks_per_chunk=st.sampled_from([1, 2]),
+            policy=st.sampled_from(["lru", "arc"]),
+            self_describing=st.booleans(),
+            offload_prompt_only=st.booleans(),
+        ),
         num_blocks=st.integers(8, 24),
-        cpu_chunks=st.integers(4, 32),
         seed=st.integers(0, 2**16),
     )
     def setup(
-        self,
-        profile: str,
-        pool_per_group: bool,
-        blocks_per_chunk: int,
-        policy: str,
-        self_describing: bool,
-        prompt_only: bool,
-        num_blocks: int,
-        cpu_chunks: int,
-        seed: int,
+        self, profile: str, pool_per_group: bool, offload: OffloadConfig, num_blocks: int, seed: int
     ) -> None:
         prof = get_profile(profile, block_size=BS, sliding_window=10, page_bytes=8)
-        cfg = OffloadConfig(
-            num_cpu_chunks=cpu_chunks,
-            blocks_per_chunk=blocks_per_chunk,
-            policy=policy,
-            self_describing=self_describing,
-            offload_prompt_only=prompt_only,
-        )
         self.kv = KVCacheManager(
-            prof, num_blocks, offload=cfg, pool_per_group=pool_per_group, device="cpu"
+            prof, num_blocks, offload=offload, pool_per_group=pool_per_group, device="cpu"
         )
         # Copies complete (are observed) only when the machine releases them: deterministic.
         self.released: set[int] = set()

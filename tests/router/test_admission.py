@@ -16,7 +16,7 @@ def _inst(name: str = "http://a:1") -> Instance:
 
 async def test_a_freed_slot_admits_exactly_the_oldest_waiter():
     inst = _inst()
-    ctl = AdmissionController(AdmissionConfig(max_inflight=1, queue_timeout_s=30))
+    ctl = AdmissionController(AdmissionConfig(max_inflight=1, timeout_s=30))
     first = await ctl.admit([inst])
     assert isinstance(first, Ticket)
     inst.inflight_requests = 1  # its forward started ...
@@ -64,7 +64,7 @@ async def test_no_threshold_means_no_admission_control():
 
 async def test_a_full_pool_does_not_hold_up_requests_for_another_models_pool():
     a, b = _inst("http://a:1"), _inst("http://b:1")
-    ctl = AdmissionController(AdmissionConfig(max_inflight=1, queue_timeout_s=30))
+    ctl = AdmissionController(AdmissionConfig(max_inflight=1, timeout_s=30))
     a.running_requests = 1  # model A's only instance is busy
     waiting_for_a = asyncio.create_task(ctl.admit([a]))
     await asyncio.sleep(0)

@@ -89,3 +89,25 @@ def test_dp_ranks_follow_vllms_port_offsets_and_need_events_to_be_told_apart():
         parse_instance("http://h:8000=tcp://h:1,dp=0")
     cfg = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://*:7000"})
     assert rank_specs(parse_instance(f"http://h:8000={cfg},dp=2"))[1].events == "tcp://h:7001"
+
+
+def test_each_settings_section_is_exactly_its_components_config():
+    """``RouterSettings.section``: a new ``admission_*``/``session_*``/``health_*`` setting
+    must be a field of the component it configures, or building the router fails here."""
+    import dataclasses
+
+    import httpx
+
+    from router.admission import AdmissionConfig
+    from router.affinity import AffinityConfig
+    from router.config import RouterSettings
+    from router.instances import InstanceRegistry
+
+    s = RouterSettings(admission_timeout_s=3.0, session_header="x-s", health_failures=4)
+    admission = AdmissionConfig(**s.section("admission"))
+    assert admission.timeout_s == 3.0 and admission.queue_size == 1024
+    assert AffinityConfig(**s.section("session")).header == "x-s"
+    registry = InstanceRegistry(httpx.AsyncClient(), **s.section("health"))
+    assert (registry.failures, registry.interval_s) == (4, 2.0)
+    names = {f.name for f in dataclasses.fields(AdmissionConfig)}
+    assert set(s.section("admission")) == names
