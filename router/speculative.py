@@ -18,6 +18,7 @@ comes in such a batch). ``ttl_s`` bounds an entry's life in any case.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -27,6 +28,12 @@ from router.index.base import Residency, Tier, slot_of
 __all__ = ["SpeculativeResidency"]
 
 _GPU = int(Tier.GPU)
+
+
+@functools.cache
+def _gpu_slots(groups: int) -> tuple[int, ...]:
+    """The GPU residency slots of the groups set in a bitmask."""
+    return tuple(slot_of(g, _GPU) for g in range(groups.bit_length()) if groups >> g & 1)
 
 
 class SpeculativeResidency:
@@ -100,24 +107,23 @@ class SpeculativeResidency:
             return {}
         now = self._clock()
         wanted = set(instances)
-        out: dict[str, Residency] = {}
+        # Positions first, per (instance, group set): one small-dict update per held block;
+        # spread over the groups' GPU slots once at the end (was: per block, per group).
+        acc: dict[tuple[str, int], int] = {}
         held = self._held
         for i, h in enumerate(block_hashes):
             holders = held.get(h)
             if not holders:
                 continue
-            bit = 1 << i
-            for name, (expiry, groups, _) in holders.items():
-                if expiry <= now or name not in wanted:
-                    continue
-                res = out.setdefault(name, {})
-                g = 0
-                while groups:
-                    if groups & 1:
-                        slot = slot_of(g, _GPU)
-                        res[slot] = res.get(slot, 0) | bit
-                    groups >>= 1
-                    g += 1
+            for name, entry in holders.items():
+                if entry[0] > now and name in wanted:
+                    key = (name, entry[1])
+                    acc[key] = acc.get(key, 0) | (1 << i)
+        out: dict[str, Residency] = {}
+        for (name, groups), positions in acc.items():
+            res = out.setdefault(name, {})
+            for slot in _gpu_slots(groups):
+                res[slot] = res.get(slot, 0) | positions
         return out
 
     def forget(self, instance: str) -> None:
