@@ -20,6 +20,8 @@
 #include <string.h>
 
 #define DIGEST 32
+#define CBOR_UINT_MAX 9    /* bytes of the longest canonical CBOR uint (head + 8) */
+#define PICKLE_UINT_MAX 11 /* LONG1 of an id >= 2**63: opcode, length, 9 bytes */
 #define FRAME_TARGET 65536 /* the C pickler splits frames at opcode boundaries past this */
 
 /* ---- token ids ------------------------------------------------------------------------ */
@@ -258,7 +260,7 @@ sha256_cbor_chain(PyObject *self, PyObject *args)
         }
     }
     Py_ssize_t parent_room = c.parent_len > DIGEST ? c.parent_len : DIGEST;
-    int rc = chain_begin(&c, tokens, 9, 1 + 9 + parent_room + 9 + max_key);
+    int rc = chain_begin(&c, tokens, CBOR_UINT_MAX, 1 + 9 + parent_room + 9 + max_key);
     if (rc == 0) {
         unsigned char array_head[9];
         size_t ah = cbor_head(array_head, 4, (uint64_t)c.block_size);
@@ -308,7 +310,7 @@ sha256_pickle_chain(PyObject *self, PyObject *args)
                           &c.parent_len))
         return NULL;
     Py_ssize_t parent_room = c.parent_len > DIGEST ? c.parent_len : DIGEST;
-    int rc = chain_begin(&c, tokens, 10, 2 + 9 + 9 + parent_room + 16);
+    int rc = chain_begin(&c, tokens, PICKLE_UINT_MAX, 2 + 9 + 9 + parent_room + 16);
     if (rc == 0) {
         unsigned char *digests = (unsigned char *)PyBytes_AS_STRING(c.out);
         const unsigned char *parent = c.parent;
