@@ -18,14 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from events import hashing
-from events.hashing import (
-    block_extra_keys,
-    chain_digests,
-    hash_request_blocks,
-    none_hash,
-    token_array,
-    wire_hashes,
-)
+from events.hashing import block_extra_keys, chain_digests, hash_request_blocks, none_hash
 from router.prompt_hashes import PromptHashes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,13 +117,13 @@ def test_a_pickle_past_one_frame_falls_back_and_just_under_it_does_not():
 @pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
 def test_token_array_packs_small_ids_as_uint32_and_refuses_odd_ones(native):
     with hashing_path(native):
-        small = token_array([0, 5, 2**32 - 1])
+        small = hashing.token_array([0, 5, 2**32 - 1])
         assert small is not None and small.dtype == np.uint32
         assert small.tolist() == [0, 5, 2**32 - 1]
-        large = token_array([1, 2**32, 2**64 - 1])
+        large = hashing.token_array([1, 2**32, 2**64 - 1])
         assert large is not None and large.dtype == np.uint64
         assert large.tolist() == [1, 2**32, 2**64 - 1]
-        assert token_array([1, -1]) is None and token_array([1, 2**64]) is None
+        assert hashing.token_array([1, -1]) is None and hashing.token_array([1, 2**64]) is None
 
 
 @settings(max_examples=60, deadline=None)
@@ -164,7 +157,7 @@ def test_prompt_hashes_agree_across_paths(algo):
         for salt in (None, "x"):
             keys = block_extra_keys(len(p) // 16, cache_salt=salt)
             want.append(reference_chain(algo, p, 16, "s", keys))
-    want = [wire_hashes(w) for w in want]
+    want = [hashing.wire_hashes(w) for w in want]
     assert got[False] == got[BUILT] == want
 
 
