@@ -5,40 +5,49 @@ A block's hash chains its parent's digest, its token ids and its extra keys:
 exactly to find an engine's blocks, so the general path uses the same serialisers as vLLM
 (pickle protocol 5, canonical cbor2). The CBOR variants also have a fast path: the object
 is always ``array(3)[bytes, array[uint...], null|keys]``, simple enough to emit directly,
-and the token ids are encoded for all blocks at once with numpy.
+and the token ids are encoded for all blocks at once with numpy. Where the optional C
+extension ``events._native`` is built, ``sha256_cbor`` and ``sha256`` chains run there in one
+call per prompt (byte-identical; ``KVROUTE_NO_NATIVE=1`` forces the Python path).
 """
 
 from __future__ import annotations
 
 import array
-import hashlib
 import os
 import pickle
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-import cbor2
 import numpy as np
 import xxhash
+
+from events.cbor_chain import ChainJob, hash_cbor_chain, hash_chain_general
+from events.cbor_chain import canonical_cbor as _cbor
+from events.cbor_chain import sha256_digest as _sha256
+
+_native: Any = None
+if not os.environ.get("KVROUTE_NO_NATIVE"):
+    try:
+        from events import _native
+    except ImportError:  # not built (no compiler or OpenSSL headers): the Python path
+        _native = None
 
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 HASH_ALGOS: tuple[str, ...] = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 _NON_CRYPTO = frozenset({"xxhash", "xxhash_cbor"})
 _U64 = (1 << 64) - 1
+DIGEST_SIZES = {"sha256": 32, "sha256_cbor": 32, "xxhash": 16, "xxhash_cbor": 16}
+
+
+def native_hashing() -> bool:
+    """Whether ``events._native`` is loaded (built, and not disabled by KVROUTE_NO_NATIVE)."""
+    return _native is not None
 
 
 def _pickle(obj: Any) -> bytes:
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _cbor(obj: Any) -> bytes:
-    return cbor2.dumps(obj, canonical=True)
-
-
-def _sha256(data: bytes) -> bytes:
-    return hashlib.sha256(data).digest()
 
 
 _SERIALISERS: dict[str, Callable[[Any], bytes]] = {
@@ -114,6 +123,29 @@ def wire_hashes(digests: Sequence[bytes]) -> list[int]:
     return np.frombuffer(joined, dtype=">u8")[n // 8 - 1 :: n // 8].tolist()
 
 
+def wire_hashes_of(digests: bytes, digest_size: int) -> list[int]:
+    """``wire_hashes`` of digests given back to back (``hash_request_digests``)."""
+    k = digest_size // 8
+    return np.frombuffer(digests, dtype=">u8")[k - 1 :: k].tolist()
+
+
+def token_array(ids: Sequence[int]) -> np.ndarray | None:
+    """Token ids as a uint32 (else uint64) numpy array; None when one is negative or not
+    an int. ``events._native`` packs a list ~3x faster than ``array.array``."""
+    if _native is not None:
+        packed = _native.pack_u32(ids)
+        if packed is not None:
+            return np.frombuffer(packed, dtype=np.uint32)
+    for code, dtype in (("I", np.uint32), ("Q", np.uint64)):
+        try:
+            return np.frombuffer(array.array(code, ids), dtype=dtype)
+        except OverflowError:
+            continue
+        except TypeError:
+            break
+    return None
+
+
 def block_extra_keys(
     num_blocks: int,
     *,
@@ -162,190 +194,81 @@ def hash_request_blocks(
     ``parent`` continues a chain (e.g. a request's already-hashed prefix); by default the
     chain starts at NONE_HASH for ``seed``. ``extra_keys[i]`` belongs to block ``i``.
     """
+    job = _job(token_ids, block_size, algo, parent or none_hash(algo, seed), extra_keys)
+    if job.num_blocks == 0:
+        return []
+    blob = _native_chain(job)
+    if blob is not None:
+        return list(struct.unpack("32s" * job.num_blocks, blob))
+    return _python_chain(job)
+
+
+def chain_digests(
+    token_ids: Sequence[int],
+    block_size: int,
+    algo: str,
+    parent: bytes,
+    extra_keys: Sequence[tuple[Any, ...] | None] | None = None,
+) -> bytes:
+    """``hash_request_blocks`` from ``parent`` (a chain's digest, or ``none_hash``), the
+    digests back to back (``DIGEST_SIZES[algo]`` bytes each): the native path makes no
+    bytes object per block. ``token_ids`` may be an integer numpy array (read in place)."""
+    job = _job(token_ids, block_size, algo, parent, extra_keys)
+    if job.num_blocks == 0:
+        return b""
+    blob = _native_chain(job)
+    return blob if blob is not None else b"".join(_python_chain(job))
+
+
+def _job(
+    token_ids: Sequence[int],
+    block_size: int,
+    algo: str,
+    parent: bytes,
+    extra_keys: Sequence[tuple[Any, ...] | None] | None,
+) -> ChainJob:
+    """Arguments checked; every full block of ``token_ids``."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     num_blocks = len(token_ids) // block_size
     if extra_keys is not None and len(extra_keys) < num_blocks:
         raise ValueError(f"extra_keys has {len(extra_keys)} entries for {num_blocks} blocks")
-    if num_blocks == 0:
-        return []
-    prev = parent if parent else none_hash(algo, seed)
-    if algo in ("sha256_cbor", "xxhash_cbor"):
-        return _hash_cbor_fast(token_ids, block_size, num_blocks, prev, extra_keys, algo)
-    hash_fn = get_hash_fn(algo)
-    out: list[bytes] = []
-    # Python ints: pickle of a numpy scalar differs from pickle of an int.
-    tokens = token_ids.tolist() if isinstance(token_ids, np.ndarray) else list(token_ids)
-    for i in range(num_blocks):
-        keys = extra_keys[i] if extra_keys is not None else None
-        prev = hash_fn((prev, tuple(tokens[i * block_size : (i + 1) * block_size]), keys))
-        out.append(prev)
-    return out
+    return ChainJob(token_ids, block_size, num_blocks, parent, extra_keys, algo)
 
 
-# ---- fast canonical-CBOR path -------------------------------------------------------
-#
-# Each block's message is ``83 <bytes head> <parent> <array head> <tokens...> f6``. The part
-# after the parent is built for all blocks at once with numpy: every token's canonical CBOR is
-# staged right-aligned in a fixed-width slot (head byte, then the big-endian argument), the
-# array head and the trailing null get slots of their own, and one boolean mask drops the
-# unused leading bytes of every slot. The chain loop then only feeds (parent, chunk) into a
-# copy of a hasher that has already absorbed the constant prefix: in OpenSSL 3 copying a
-# context is cheaper than creating one, and most of the loop's time is per-call overhead.
-
-
-def _cbor_head(major: int, n: int) -> bytes:
-    """Canonical (shortest) CBOR head for ``major`` type with argument ``n``."""
-    mt = major << 5
-    if n < 24:
-        return bytes([mt | n])
-    if n < 0x100:
-        return bytes([mt | 24, n])
-    if n < 0x10000:
-        return bytes([mt | 25]) + n.to_bytes(2, "big")
-    if n < 0x100000000:
-        return bytes([mt | 26]) + n.to_bytes(4, "big")
-    return bytes([mt | 27]) + n.to_bytes(8, "big")
-
-
-_HEAD_BYTE = np.array([0, 0, 0x18, 0x19, 0, 0x1A, 0, 0, 0, 0x1B], dtype=np.uint64)  # by size
-# _KEEP[w][n]: which bytes of a w-wide slot hold an n-byte item (the last n).
-_KEEP = {w: np.arange(w)[None, :] >= w - np.arange(w + 1)[:, None] for w in (5, 9)}
-_TABLE_MAX_IDS = 1 << 22
-_table: tuple[np.ndarray, np.ndarray] | None = None
-_split_codes = np.empty((0, 1), dtype=np.uint8)
-
-
-def _right_aligned(t: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Canonical CBOR of each uint in ``t``, right-aligned in ``width`` bytes; plus sizes."""
-    t = t.astype(np.uint64, copy=False)
-    size = 1 + (t >= 24) + (t >= 0x100) + 2 * (t >= 0x10000) + 4 * (t >= 0x100000000)
-    size = size.astype(np.uint8)
-    slot = np.empty((t.size, width), dtype=np.uint8)
-    be = t.astype(">u8").view(np.uint8).reshape(-1, 8)
-    slot[:, max(0, width - 8) :] = be[:, max(0, 8 - width) :]
-    heads = np.where(size == 1, t, _HEAD_BYTE[size]).astype(np.uint8)
-    slot[np.arange(t.size), width - size.astype(np.intp)] = heads
-    return slot, size
-
-
-def _token_table(min_ids: int) -> tuple[np.ndarray, np.ndarray]:
-    """5-byte slots and sizes for ids < max(min_ids, 2**18), grown by doubling."""
-    global _table
-    if _table is None or len(_table[1]) < min_ids:
-        n = max(1 << 18, 1 << (min_ids - 1).bit_length())
-        _table = _right_aligned(np.arange(n, dtype=np.uint64), 5)
-    return _table
-
-
-def _split(buf: bytes, lens: np.ndarray) -> tuple[bytes, ...]:
-    """``buf`` cut into pieces of ``lens`` bytes by one struct unpack: the format ("071s069s...")
-    is gathered from a table of zero-padded codes, which beats 500 Python-level slices."""
-    global _split_codes
-    codes, top = _split_codes, int(lens.max())
-    if top >= 100_000:  # giant blocks, hence few: plain formatting is fine
-        return struct.unpack("".join(f"{n}s" for n in lens.tolist()), buf)
-    if top >= len(codes):
-        ndig = len(str(top))
-        text = "".join(f"{n:0{ndig}d}s" for n in range(10**ndig)).encode()
-        codes = _split_codes = np.frombuffer(text, dtype=np.uint8).reshape(10**ndig, ndig + 1)
-    return struct.Struct(codes.take(lens, axis=0).tobytes()).unpack(buf)
-
-
-def _block_chunks(tokens: np.ndarray, block_size: int, num_blocks: int) -> tuple[bytes, ...]:
-    """Per block: ``<array head> <canonical CBOR of each token> f6`` (null extra keys)."""
-    top = int(tokens.max())
-    width = 5 if top < 0x100000000 else 9
-    stage = np.empty((num_blocks, block_size + 2, width), dtype=np.uint8)
-    sizes = np.empty((num_blocks, block_size + 2), dtype=np.uint8)
-    blocks = tokens.reshape(num_blocks, block_size)
-    if top < _TABLE_MAX_IDS:
-        enc, size = _token_table(top + 1)
-        stage[:, 1:-1] = enc.take(blocks, axis=0)
-        sizes[:, 1:-1] = size.take(blocks)
-    else:
-        enc, size = _right_aligned(tokens, width)
-        stage[:, 1:-1] = enc.reshape(num_blocks, block_size, width)
-        sizes[:, 1:-1] = size.reshape(num_blocks, block_size)
-    array_head = _cbor_head(4, block_size)
-    stage[:, 0, width - len(array_head) :] = np.frombuffer(array_head, dtype=np.uint8)
-    sizes[:, 0] = len(array_head)
-    stage[:, -1, -1] = 0xF6
-    sizes[:, -1] = 1
-    # compress and einsum: about 1.5x and 2x faster than stage[mask] and sizes.sum(axis=1)
-    body = np.compress(_KEEP[width].take(sizes, axis=0).ravel(), stage).tobytes()
-    return _split(body, np.einsum("ij->i", sizes, dtype=np.int64))
-
-
-def _as_uint_array(token_ids: Sequence[int], n: int) -> np.ndarray | None:
-    """Token ids as a non-negative integer array, or None when some id is negative."""
-    if isinstance(token_ids, np.ndarray):
-        arr = token_ids[:n]
-    else:
-        if not isinstance(token_ids, list | tuple):
-            token_ids = list(token_ids)
-        head = token_ids if len(token_ids) == n else token_ids[:n]  # a slice copies
-        try:  # array.array is the fastest list -> buffer conversion
-            arr = np.frombuffer(array.array("I", head), dtype=np.uint32)
-        except OverflowError:
-            try:
-                arr = np.frombuffer(array.array("Q", head), dtype=np.uint64)
-            except OverflowError:
-                return None
-    if arr.dtype.kind == "i" and arr.size and int(arr.min()) < 0:
+def _native_chain(job: ChainJob) -> bytes | None:
+    """The chain's digests from ``events._native``, or None where it does not apply (not
+    built, an xxhash variant, ids it does not encode): the caller takes the Python path."""
+    token_ids, block_size, num_blocks, prev, extra_keys, algo = job
+    if _native is None or algo not in ("sha256_cbor", "sha256"):
         return None
-    return arr
+    if isinstance(token_ids, np.ndarray):
+        token_ids = np.ascontiguousarray(token_ids)
+    elif not isinstance(token_ids, list | tuple | array.array):
+        token_ids = list(token_ids)
+    keys = extra_keys[:num_blocks] if extra_keys is not None else None
+    last = max((i for i, k in enumerate(keys) if k is not None), default=-1) if keys else -1
+    if algo == "sha256_cbor":
+        cbor_keys = None if last < 0 else [None if k is None else _cbor(k) for k in keys or ()]
+        return _native.sha256_cbor_chain(token_ids, block_size, num_blocks, prev, cbor_keys)
+    # sha256 (pickle): keyed blocks (LoRA, cache_salt) in Python, the unkeyed rest here.
+    head = b""
+    if last >= 0:
+        done = last + 1
+        blocks = _python_chain(job._replace(tokens=token_ids, num_blocks=done))
+        if done == num_blocks:
+            return b"".join(blocks)
+        head, prev, token_ids = b"".join(blocks), blocks[-1], token_ids[done * block_size :]
+        num_blocks -= done
+    tail = _native.sha256_pickle_chain(token_ids, block_size, num_blocks, prev)
+    return None if tail is None else head + tail
 
 
-def _hash_cbor_fast(
-    token_ids: Sequence[int],
-    block_size: int,
-    num_blocks: int,
-    prev: bytes,
-    extra_keys: Sequence[tuple[Any, ...] | None] | None,
-    algo: str,
-) -> list[bytes]:
-    arr = _as_uint_array(token_ids, num_blocks * block_size)
-    if arr is None:
-        # Negative ids never occur in practice; let cbor2 handle them exactly.
-        tokens = [int(t) for t in list(token_ids)[: num_blocks * block_size]]
-        digest = _DIGESTS[algo]
-        return _hash_cbor_general(tokens, block_size, num_blocks, prev, extra_keys, digest)
-    chunks: Sequence[bytes] = _block_chunks(arr, block_size, num_blocks)
-    keys = extra_keys[:num_blocks] if extra_keys is not None else ()
-    if any(k is not None for k in keys):  # replace the null tail where a block has keys
-        chunks = [c if k is None else c[:-1] + _cbor(k) for c, k in zip(chunks, keys, strict=True)]
-    head = b"\x83" + _cbor_head(2, len(prev))  # the seed parent may differ in length
-    out: list[bytes] = []
-    append = out.append
-    if algo == "xxhash_cbor":  # xxh3 is so cheap that one-shot calls beat copy + update
-        digest = xxhash.xxh3_128_digest
-        for chunk in chunks:
-            prev = digest(head + prev + chunk)
-            append(prev)
-            head = b"\x83\x50"  # array(3), then a 16-byte string: an xxh3_128 parent
-        return out
-    h, copy = hashlib.sha256(head), hashlib.sha256(b"\x83\x58\x20").copy  # 32-byte parent
-    for chunk in chunks:
-        h.update(prev)
-        h.update(chunk)
-        prev = h.digest()
-        append(prev)
-        h = copy()
-    return out
-
-
-def _hash_cbor_general(
-    tokens: list[int],
-    block_size: int,
-    num_blocks: int,
-    prev: bytes,
-    extra_keys: Sequence[tuple[Any, ...] | None] | None,
-    digest: Callable[[bytes], bytes],
-) -> list[bytes]:
-    out = []
-    for i in range(num_blocks):
-        keys = extra_keys[i] if extra_keys is not None else None
-        prev = digest(_cbor((prev, tuple(tokens[i * block_size : (i + 1) * block_size]), keys)))
-        out.append(prev)
-    return out
+def _python_chain(job: ChainJob) -> list[bytes]:
+    """The reference path: vLLM's serialisers (CBOR through ``events.cbor_chain``)."""
+    if job.algo in ("sha256_cbor", "xxhash_cbor"):
+        return hash_cbor_chain(job)
+    # Python ints: pickle of a numpy scalar differs from pickle of an int.
+    tokens = job.tokens
+    tokens = tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
+    return hash_chain_general(job._replace(tokens=tokens), get_hash_fn(job.algo))

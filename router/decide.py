@@ -22,11 +22,13 @@ from router.instances import Instance, InstanceRegistry
 from router.metrics import RouterMetrics
 from router.policy import Candidate, Decision, Policy
 from router.prompt_hashes import PromptHashes
-from router.score import Score, Scorer
+from router.score import ZERO, Score, Scorer
 from router.speculative import SpeculativeResidency
 from router.tokenize import RoutingTokenizer
 
 __all__ = ["RouteDecision", "Router"]
+
+_new = tuple.__new__
 
 log = logging.getLogger(__name__)
 
@@ -176,16 +178,20 @@ class Router:
 
     @staticmethod
     def _candidate(inst: Instance, score: Score | None) -> Candidate:
-        gpu, cpu = (score.gpu_tokens, score.cpu_tokens) if score else (0, 0)
-        return Candidate(
-            full_tokens=score.junction_tokens if score else 0,
-            name=inst.url,
-            gpu_tokens=gpu,
-            cpu_tokens=cpu,
-            inflight_requests=inst.inflight_requests,
-            inflight_prefill_tokens=inst.inflight_prefill_tokens,
-            running_requests=inst.running_requests,
-            engine_waiting=inst.engine_waiting,
+        gpu, cpu, full = score if score else ZERO
+        # Candidate's fields in order, without the NamedTuple's Python-level __new__.
+        return _new(
+            Candidate,
+            (
+                inst.url,
+                gpu,
+                cpu,
+                inst.inflight_requests,
+                inst.inflight_prefill_tokens,
+                inst.running_requests,
+                inst.engine_waiting,
+                full,
+            ),
         )
 
     def routed(self, decision: RouteDecision, instance: str) -> None:

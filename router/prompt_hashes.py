@@ -5,8 +5,9 @@ prompt repeats a previous one's leading blocks token for token (the next turn of
 conversation, a shared system prompt, a retry), their digests are the previous prompt's,
 exactly: only the blocks after the common prefix are hashed. The previous prompt is found
 by its first block (with the block size and ``cache_salt``, which enter the chain), and
-the common prefix by one numpy comparison of token arrays. Hashing is the largest part of
-a decision (~0.35 ms of ~0.7 for an 8k-token prompt), and most traffic repeats prefixes.
+the common prefix by one numpy comparison of token arrays. Without the native hasher
+(``events._native``) hashing is the largest part of a decision (~0.35 ms of ~0.7 for an
+8k-token prompt), and most traffic repeats prefixes.
 
 Bounded: the ``capacity`` most recent prompt starts (LRU). Off when NONE_HASH is random
 per call (xxhash without a seed): no two calls' chains may be mixed then.
@@ -14,38 +15,36 @@ per call (xxhash without a seed): no two calls' chains may be mixed then.
 
 from __future__ import annotations
 
-import array
 from collections import OrderedDict
 from typing import NamedTuple
 
 import numpy as np
 
-from events.hashing import block_extra_keys, hash_request_blocks, none_hash, wire_hashes
+from events.hashing import (
+    DIGEST_SIZES,
+    block_extra_keys,
+    chain_digests,
+    hash_request_blocks,
+    none_hash,
+    token_array,
+    wire_hashes,
+    wire_hashes_of,
+)
 
 __all__ = ["PromptHashes"]
 
 
 class _Chain(NamedTuple):
     tokens: np.ndarray  # the prompt's full blocks' token ids
-    digests: list[bytes]
+    digests: bytes  # back to back, DIGEST_SIZES[algo] bytes each
     wires: list[int]
-
-
-def _as_array(ids: list[int]) -> np.ndarray | None:
-    for code, dtype in (("I", np.uint32), ("Q", np.uint64)):  # array.array: the fastest
-        try:
-            return np.frombuffer(array.array(code, ids), dtype=dtype)
-        except OverflowError:
-            continue
-        except TypeError:
-            break
-    return None  # negative or odd ids: hash without reuse
 
 
 class PromptHashes:
     def __init__(self, algo: str, seed: str | None, capacity: int = 256) -> None:
         self.algo, self.seed, self.capacity = algo, seed, capacity
         self.enabled = none_hash(algo, seed) == none_hash(algo, seed)
+        self._size = DIGEST_SIZES[algo]
         self._chains: OrderedDict[tuple, _Chain] = OrderedDict()
         self.reused_blocks = 0  # for tests and /debug: blocks not re-hashed
         self.hashed_blocks = 0
@@ -63,11 +62,12 @@ class PromptHashes:
         n = len(ids) // block_size
         if n == 0:
             return []
-        arr = _as_array(ids[: n * block_size]) if self.enabled else None
-        if arr is None:
+        arr = token_array(ids) if self.enabled else None
+        if arr is None:  # negative or odd ids: hash without reuse
             keys = block_extra_keys(n, lora=lora, cache_salt=salt)
             self.hashed_blocks += n
             return wire_hashes(hash_request_blocks(ids, block_size, self.algo, self.seed, keys))
+        arr = arr[: n * block_size]
         key = (block_size, salt, lora, arr[:block_size].tobytes())
         prev = self._chains.get(key)
         reuse = 0
@@ -80,21 +80,23 @@ class PromptHashes:
             self.reused_blocks += n
             return prev.wires[:n]
         keys = block_extra_keys(n, lora=lora, cache_salt=salt)
-        parent = prev.digests[reuse - 1] if prev is not None and reuse else None
-        tail = hash_request_blocks(
-            ids[reuse * block_size : n * block_size],
+        size = self._size
+        done = prev.digests[: reuse * size] if prev is not None and reuse else b""
+        parent = done[-size:] if done else none_hash(self.algo, self.seed)
+        tail = chain_digests(
+            arr[reuse * block_size :],
             block_size,
             self.algo,
-            self.seed,
+            parent,
             keys[reuse:] if keys is not None else None,
-            parent=parent,
         )
-        assert prev is not None or reuse == 0
-        digests = (prev.digests[:reuse] if reuse else []) + tail  # type: ignore[union-attr]
-        wires = (prev.wires[:reuse] if reuse else []) + wire_hashes(tail)  # type: ignore[union-attr]
+        wires = wire_hashes_of(tail, size)
+        if done:
+            assert prev is not None
+            wires = prev.wires[:reuse] + wires
         self.reused_blocks += reuse
         self.hashed_blocks += n - reuse
-        self._chains[key] = _Chain(arr, digests, wires)
+        self._chains[key] = _Chain(arr, done + tail, wires)
         self._chains.move_to_end(key)
         if len(self._chains) > self.capacity:
             self._chains.popitem(last=False)

@@ -10,7 +10,8 @@ Layout, chosen for bytes per entry and O(1) per event block:
 * ``_dups: dict[(hash, col), extra]`` -- refcounts above 1 (vLLM does not deduplicate
   physical blocks); rare, so it costs nothing when unused.
 
-Lookups transpose the per-block bitsets into per-column masks with numpy.
+Lookups OR the positions of each run of one holder set into its columns' masks; numpy
+transposes the per-block bitsets instead when residency is fragmented.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import heapq
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import groupby, repeat
 from typing import Any
 
 from events.structs import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -36,6 +37,9 @@ from router.index.base import (
 __all__ = ["MemoryIndex"]
 
 _INTERN_MAX = 1 << 16
+# Lookups OR each run's positions into the columns of its holder set, a Python step per
+# (holder set, column) pair; past this many pairs numpy's transpose is cheaper.
+_RUN_BITS_MAX = 2048
 
 
 @dataclass(slots=True)
@@ -280,10 +284,16 @@ class MemoryIndex:
             vals = list(map(get, block_hashes, repeat(0, len(block_hashes))))
         except TypeError:  # unhashable digests: normalise once
             vals = [get(to_wire(h), 0) for h in block_hashes]
-        # Few distinct bitsets (holder sets) cover all positions: work on those.
-        holders = set(vals)
-        holders.discard(0)
-        if not holders:
+        # A prompt's positions fall into few runs of one holder set (a bitset of columns):
+        # each run's positions as one mask, ORed per holder.
+        runs: dict[int, int] = {}
+        start = 0
+        for v, same in groupby(vals):
+            k = len(list(same))
+            if v:
+                runs[v] = runs.get(v, 0) | (((1 << k) - 1) << start)
+            start += k
+        if not runs:
             return {}
         keep = -1  # columns to report
         if instances is not None:
@@ -293,14 +303,20 @@ class MemoryIndex:
                 st = inst.get(name)
                 if st is not None:
                     keep |= st.mask
-        # Row width: the highest column reported (the largest bitset holds it).
-        width = ((max(holders) if keep == -1 else keep).bit_length() + 7) // 8 or 1
-        rows = {v: (v & keep).to_bytes(width, "little") for v in holders}
-        rows[0] = bytes(width)
-        buf = b"".join(map(rows.__getitem__, vals))
+        if sum(v.bit_count() for v in runs) <= _RUN_BITS_MAX:
+            cols: dict[int, int] = {}
+            for v, positions in runs.items():
+                v &= keep
+                while v:  # each column of the holder set gets the run's positions
+                    low = v & -v
+                    col = low.bit_length() - 1
+                    cols[col] = cols.get(col, 0) | positions
+                    v ^= low
+        else:  # fragmented residency: many holder sets, transposed at once with numpy
+            cols = self._transpose(vals, runs.keys(), keep)
         out: dict[str, Residency] = {}
         owner = self._owner
-        for col, mask in columns_from_rows(buf, len(vals), width, None, "little").items():
+        for col, mask in cols.items():
             who = owner[col]
             if who is not None:
                 res = out.get(who[0])
@@ -309,6 +325,16 @@ class MemoryIndex:
                 else:
                     res[who[1]] = mask
         return out
+
+    @staticmethod
+    def _transpose(vals: list[int], holders: Iterable[int], keep: int) -> dict[int, int]:
+        """Per column, the mask of the positions whose holder set has it (``keep`` only)."""
+        # Row width: the highest column reported (the largest bitset holds it).
+        width = ((max(holders) if keep == -1 else keep).bit_length() + 7) // 8 or 1
+        rows = {v: (v & keep).to_bytes(width, "little") for v in holders}
+        rows[0] = bytes(width)
+        buf = b"".join(map(rows.__getitem__, vals))
+        return columns_from_rows(buf, len(vals), width, None, "little")
 
     # ---- introspection (tests, benchmarks, /dashboard) ---------------------------------
 

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
-import pickle
-
-import cbor2
 import numpy as np
 import pytest
+from hashkit import both_paths, hashing_path, reference_chain, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,7 +27,13 @@ def _extra_keys(raw):
     return [None if b is None else tuple(tuple(k) for k in b) for b in raw]
 
 
-def test_every_golden_case_matches_digests_and_wire_ints(block_hash_vectors):
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+def test_every_golden_case_matches_digests_and_wire_ints(block_hash_vectors, native):
+    with hashing_path(native):
+        _check_golden(block_hash_vectors)
+
+
+def _check_golden(block_hash_vectors) -> None:
     seqs = block_hash_vectors["token_sequences"]
     cases = block_hash_vectors["cases"]
     assert {c["algo"] for c in cases} == set(HASH_ALGOS)
@@ -93,38 +96,10 @@ def test_bad_arguments_are_rejected():
         hash_request_blocks(list(range(32)), 16, extra_keys=[None])
 
 
-def _reference(algo: str, toks: list[int], bs: int, seed: str, keys) -> list[bytes]:
-    """Straight from the definition: serialise (parent, tuple(tokens), keys), then digest."""
-    ser = (
-        (lambda o: cbor2.dumps(o, canonical=True))
-        if algo.endswith("cbor")
-        else (lambda o: pickle.dumps(o, protocol=5))
-    )
-    import xxhash
-
-    dig = (
-        (lambda b: hashlib.sha256(b).digest()) if algo.startswith("sha") else xxhash.xxh3_128_digest
-    )
-    prev = dig(ser(seed))
-    out = []
-    for i in range(len(toks) // bs):
-        prev = dig(ser((prev, tuple(toks[i * bs : (i + 1) * bs]), keys[i] if keys else None)))
-        out.append(prev)
-    return out
-
-
-_token = st.one_of(
-    st.integers(0, 23),
-    st.integers(24, 0xFFFF),
-    st.integers(0x10000, 0xFFFFFFFF),
-    st.integers(0x100000000, (1 << 64) - 1),
-)
-
-
 @settings(max_examples=150, deadline=None)
 @given(
     algo=st.sampled_from(HASH_ALGOS),
-    toks=st.lists(_token, max_size=80),
+    toks=st.lists(token_ids, max_size=80),
     bs=st.sampled_from([1, 4, 16, 24, 32]),
     with_keys=st.booleans(),
     as_array=st.booleans(),
@@ -133,7 +108,10 @@ def test_fast_path_equals_reference_serialisation(algo, toks, bs, with_keys, as_
     n = len(toks) // bs
     keys = [(("lora", "a", "/p"),) if i % 2 else None for i in range(n)] if with_keys else None
     arg = np.array(toks, dtype=np.uint64) if as_array and toks else toks
-    assert hash_request_blocks(arg, bs, algo, "s", keys) == _reference(algo, toks, bs, "s", keys)
+    want = reference_chain(algo, toks, bs, "s", keys)
+    for native in both_paths():
+        with hashing_path(native):
+            assert hash_request_blocks(arg, bs, algo, "s", keys) == want, native
 
 
 def test_block_extra_keys_are_vllms_lora_on_every_block_and_salt_on_block_0(

@@ -8,10 +8,11 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pytest
 from routerkit import batch, removed, stored
 
 from events.structs import AllBlocksCleared
-from router.index import Tier, slot_of
+from router.index import Tier, memory, slot_of
 
 NAMES = [f"i{k}" for k in range(9)]
 POOL = [5000 + i for i in range(40)]
@@ -29,7 +30,11 @@ def model_lookup(model, hashes, instances):
     return out
 
 
-async def test_lookup_equals_a_naive_model_of_residency(index):
+@pytest.mark.parametrize("run_bits_max", [2048, 0], ids=["runs", "transpose"])
+async def test_lookup_equals_a_naive_model_of_residency(index, run_bits_max, monkeypatch):
+    """The memory index ORs runs of one holder set, or transposes with numpy when
+    residency is fragmented (``_RUN_BITS_MAX``): both ways, the model's answer."""
+    monkeypatch.setattr(memory, "_RUN_BITS_MAX", run_bits_max)
     rng = random.Random(7)
     model: dict[str, dict[int, Counter]] = {}
     for step in range(160):
