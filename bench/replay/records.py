@@ -72,6 +72,10 @@ def summarize(records: Sequence[RequestRecord], instances: Sequence[str]) -> dic
     predicted = [r for r in ok if r.predicted_hit_tokens is not None]
     exact = sum(1 for r in predicted if r.predicted_hit_tokens == r.hit_tokens)
     abs_err = sum(abs((r.predicted_hit_tokens or 0) - r.hit_tokens) for r in predicted)
+    # Hits the router saw at the instance it chose that the engine no longer had when it
+    # admitted the request (evicted while it queued): routing cannot reuse what is gone.
+    lost = sum(max((r.predicted_hit_tokens or 0) - r.hit_tokens, 0) for r in predicted)
+    predicted_prompt = sum(r.prompt_tokens for r in predicted)
     per_instance = {name: 0 for name in instances}
     for r in ok:
         if r.instance is not None:
@@ -104,6 +108,7 @@ def summarize(records: Sequence[RequestRecord], instances: Sequence[str]) -> dic
         "predicted": len(predicted),
         "prediction_exact": exact / len(predicted) if predicted else None,
         "prediction_mae_tokens": abs_err / len(predicted) if predicted else None,
+        "predicted_hit_lost_ratio": lost / predicted_prompt if predicted_prompt else None,
         "requests_per_instance": per_instance,
         "imbalance_max_over_mean": max(counts) / mean_count if mean_count else None,
     }

@@ -30,7 +30,14 @@ __all__ = ["METRICS", "aggregate", "run_suite", "suite_requests"]
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
-METRICS = ("hit_ratio", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "throughput_req_s")
+METRICS = (
+    "hit_ratio",
+    "ttft_p50_ms",
+    "ttft_p90_ms",
+    "ttft_p99_ms",
+    "throughput_req_s",
+    "predicted_hit_lost_ratio",
+)
 SIM_ROUTERS = (
     "ours:cost",
     "ours:prefix_full_only",

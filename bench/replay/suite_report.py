@@ -9,7 +9,8 @@ __all__ = ["plot_suite", "suite_markdown"]
 
 
 def _cell(a: dict[str, Any], k: str, pct: bool = False, digits: int = 0) -> str:
-    m, ci = a[k]["mean"], a[k]["ci95"]
+    cell = a.get(k) or {}  # results written before a metric existed lack it
+    m, ci = cell.get("mean"), cell.get("ci95")
     if m is None:
         return "-"
     f = 100.0 if pct else 1.0
@@ -28,7 +29,11 @@ def suite_markdown(res: dict[str, Any], plots: list[Path]) -> str:
         f"Seeds: sim {res['seeds']}, live {res['live_seeds']}. Cells: mean ± 95% interval "
         "(Student t over seeds). Times are replay-clock ms at each workload's time scale. "
         "`model:*` rows are in-process models of the peer routers "
-        "(`bench/replay/peer_models.py`); live rows are the real routers.",
+        "(`bench/replay/peer_models.py`); live rows are the real routers. Predicted hit "
+        "lost: prompt tokens the router predicted cached at the instance it chose that the "
+        "engine no longer held when it admitted the request (evicted while it queued), by "
+        "that router's own scorer (the vLLM-router model's is full-attention-only; the "
+        "sglang-router model predicts none).",
         "",
     ]
     for k, w in res["workloads"].items():
@@ -43,14 +48,16 @@ def suite_markdown(res: dict[str, Any], plots: list[Path]) -> str:
             lines += [
                 f"### {k}",
                 "",
-                "| router | reused tokens | TTFT p50 ms | p90 | p99 | req/s | errors |",
-                "|---|---|---|---|---|---|---|",
+                "| router | reused tokens | TTFT p50 ms | p90 | p99 | req/s | errors "
+                "| predicted hit lost |",
+                "|---|---|---|---|---|---|---|---|",
             ]
             for r, a in per.items():
                 lines.append(
                     f"| {r} | {_cell(a, 'hit_ratio', pct=True)} | {_cell(a, 'ttft_p50_ms')} "
                     f"| {_cell(a, 'ttft_p90_ms')} | {_cell(a, 'ttft_p99_ms')} "
-                    f"| {_cell(a, 'throughput_req_s', digits=2)} | {a['errors']} |"
+                    f"| {_cell(a, 'throughput_req_s', digits=2)} | {a['errors']} "
+                    f"| {_cell(a, 'predicted_hit_lost_ratio', pct=True)} |"
                 )
             t = res["targets"][mode].get(k)
             if t:

@@ -43,6 +43,9 @@ def test_summary_counts_hits_errors_and_prediction_accuracy():
     assert s["ttft_p50_ms"] == pytest.approx(200)
     assert s["prediction_exact"] == pytest.approx(2 / 3)
     assert s["prediction_mae_tokens"] == pytest.approx(200 / 3)
+    # r1's predicted 200 were gone at admission; r0 reused more than predicted (not lost)
+    assert s["predicted_hit_lost_ratio"] == pytest.approx(200 / 3000)
+    assert summarize([_rec(0, "a", 0.1, 500, 0)], ["a"])["predicted_hit_lost_ratio"] is None
     assert s["requests_per_instance"] == {"a": 2, "b": 1, "c": 0}
     assert s["imbalance_max_over_mean"] == pytest.approx(2.0)
 
