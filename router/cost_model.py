@@ -43,19 +43,27 @@ class Backlog:
 
 
 def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None when singular."""
+    """Gaussian elimination with partial pivoting (the first largest pivot); None when
+    singular. Plain loops: it runs up to three times per observed response."""
     n = len(v)
     a = [[*row, v[i]] for i, row in enumerate(m)]
     for c in range(n):
-        p = max(range(c, n), key=lambda r: abs(a[r][c]))
-        if abs(a[p][c]) < 1e-12:
+        p, best = c, abs(a[c][c])
+        for r in range(c + 1, n):
+            x = abs(a[r][c])
+            if x > best:
+                p, best = r, x
+        if best < 1e-12:
             return None
         a[c], a[p] = a[p], a[c]
+        pivot_row = a[c]
+        pivot = pivot_row[c]
         for r in range(n):
             if r != c:
-                f = a[r][c] / a[c][c]
+                row = a[r]
+                f = row[c] / pivot
                 for k in range(c, n + 1):
-                    a[r][k] -= f * a[c][k]
+                    row[k] -= f * pivot_row[k]
     return [a[i][n] / a[i][i] for i in range(n)]
 
 

@@ -36,6 +36,28 @@ def _gpu_slots(groups: int) -> tuple[int, ...]:
     return tuple(slot_of(g, _GPU) for g in range(groups.bit_length()) if groups >> g & 1)
 
 
+def _groups_of(held: Mapping[int, Iterable[int]]) -> dict[int, int]:
+    """hash -> bitmask of the groups holding it. Groups holding the same positions (every
+    full-attention group) are one ``dict.fromkeys`` over the longest list; only the others
+    (window tails, Mamba states: a few blocks) are merged hash by hash."""
+    lists = sorted(((list(hs), g) for g, hs in held.items()), key=lambda t: -len(t[0]))
+    if not lists:
+        return {}
+    first = lists[0][0]
+    bits = 0
+    rest = []
+    for hs, g in lists:
+        if hs == first:
+            bits |= 1 << g
+        else:
+            rest.append((hs, 1 << g))
+    out = dict.fromkeys(first, bits)
+    for hs, bit in rest:
+        for h in hs:
+            out[h] = out.get(h, 0) | bit
+    return out
+
+
 class SpeculativeResidency:
     """``hash -> instance -> [expiry, group bitmask, requests holding it]``; read as
     per-slot position masks."""
@@ -58,13 +80,13 @@ class SpeculativeResidency:
             return []
         now = self._clock()
         expiry = now + self.ttl_s
-        groups_of: dict[int, int] = {}
-        for g, hashes in held.items():
-            bit = 1 << g
-            for h in hashes:
-                groups_of[h] = groups_of.get(h, 0) | bit
+        groups_of = _groups_of(held)
+        store, get = self._held, self._held.get
         for h, groups in groups_of.items():
-            holders = self._held.setdefault(h, {})
+            holders = get(h)
+            if holders is None:  # most of a new prompt's blocks: no dict to look into
+                store[h] = {instance: [expiry, groups, 1]}
+                continue
             entry = holders.get(instance)
             if entry is None or entry[0] <= now:
                 holders[instance] = [expiry, groups, 1]
@@ -110,9 +132,7 @@ class SpeculativeResidency:
         # Positions first, per (instance, group set): one small-dict update per held block;
         # spread over the groups' GPU slots once at the end (was: per block, per group).
         acc: dict[tuple[str, int], int] = {}
-        held = self._held
-        for i, h in enumerate(block_hashes):
-            holders = held.get(h)
+        for i, holders in enumerate(map(self._held.get, block_hashes)):
             if not holders:
                 continue
             for name, entry in holders.items():
