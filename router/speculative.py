@@ -81,7 +81,10 @@ class SpeculativeResidency:
         self.ttl_s = ttl_s
         self._clock = clock
         self._held: dict[int, _Entry | dict[str, _Entry]] = {}
-        self._settled: dict[str, list[list[int]]] = {}  # answered, awaiting the next batch
+        # Answered, awaiting the next batch: instance -> id(hashes) -> hashes. Released
+        # at that batch, or when they expire if it never comes (an instance publishing no
+        # events): kept until then, they grew without bound.
+        self._settled: dict[str, dict[int, list[int]]] = {}
         # (expiry, instance, hashes) in recording order, hence expiry order: purging looks
         # only at what expired, not at every entry (a full scan cost ~8% of the router's
         # CPU under load).
@@ -94,6 +97,10 @@ class SpeculativeResidency:
             return []
         now = self._clock()
         expiry = now + self.ttl_s
+        # Purge first: an expired request released here still counts in the entries it
+        # holds (none was renewed past its expiry yet, which starts a count afresh).
+        if self._expiries and self._expiries[0][0] <= now:
+            self.purge(now)
         groups_of, bits, odd = _groups_of(held)
         store = self._held
         # One lookup and one write per block in the (large) store; the rest on small dicts.
@@ -112,8 +119,6 @@ class SpeculativeResidency:
         store.update(fresh)
         recorded = list(groups_of)
         self._expiries.append((expiry, instance, recorded))
-        if self._expiries[0][0] <= now:
-            self.purge(now)
         return recorded
 
     @staticmethod
@@ -142,11 +147,12 @@ class SpeculativeResidency:
     def settle(self, instance: str, hashes: list[int]) -> None:
         """The request that recorded ``hashes`` on ``instance`` has been answered: release
         them at the next :meth:`flush` of that instance."""
-        self._settled.setdefault(instance, []).append(hashes)
+        self._settled.setdefault(instance, {})[id(hashes)] = hashes
 
     def flush(self, instance: str) -> None:
         """A batch of ``instance``'s events was applied: hand settled entries to the index."""
-        for hashes in self._settled.pop(instance, ()):
+        settled = self._settled.pop(instance, None)
+        for hashes in settled.values() if settled else ():
             self.release(instance, hashes)
 
     def release(self, instance: str, hashes: Iterable[int]) -> None:
@@ -223,6 +229,9 @@ class SpeculativeResidency:
         get = store.get
         while queue and queue[0][0] <= now:
             _, name, hashes = queue.popleft()
+            settled = self._settled.get(name)
+            if settled and settled.pop(id(hashes), None) is not None:
+                self.release(name, hashes)  # answered: released as that batch would
             for v, run in groupby(zip(map(get, hashes), hashes, strict=True), _first):
                 if v is None:
                     continue
