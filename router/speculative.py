@@ -13,7 +13,8 @@ An entry lives while its request is in flight and, once the response ends (``set
 until the router next applies a batch of that instance's events (``flush``): the engine
 published what it cached before it answered, so from then on the index is the truth, and
 an entry outliving it could credit blocks the engine has since evicted (that eviction
-comes in such a batch). ``ttl_s`` bounds an entry's life in any case.
+comes in such a batch). ``ttl_s`` bounds an entry's life in any case; an answered
+request whose TTL passes before that batch is released then (an instance may publish none).
 """
 
 from __future__ import annotations
