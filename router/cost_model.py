@@ -20,6 +20,7 @@ Two things the router cannot read from an engine but can learn cheaply:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 __all__ = ["Backlog", "TtftFit"]
 
@@ -42,21 +43,33 @@ class Backlog:
         return self.tokens
 
 
-def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None when singular."""
-    n = len(v)
-    a = [[*row, v[i]] for i, row in enumerate(m)]
+def _solve(a: list[list[float]]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting (the first largest pivot) of the
+    augmented matrix ``a`` (rows ``[*coefficients, value]``, changed in place); None when
+    singular. Plain loops: it runs up to three times per observed response."""
+    n = len(a)
     for c in range(n):
-        p = max(range(c, n), key=lambda r: abs(a[r][c]))
-        if abs(a[p][c]) < 1e-12:
+        p, best = c, abs(a[c][c])
+        for r in range(c + 1, n):
+            x = abs(a[r][c])
+            if x > best:
+                p, best = r, x
+        if best < 1e-12:
             return None
         a[c], a[p] = a[p], a[c]
+        pivot_row = a[c]
+        pivot = pivot_row[c]
         for r in range(n):
             if r != c:
-                f = a[r][c] / a[c][c]
+                row = a[r]
+                f = row[c] / pivot
                 for k in range(c, n + 1):
-                    a[r][k] -= f * a[c][k]
+                    row[k] -= f * pivot_row[k]
     return [a[i][n] / a[i][i] for i in range(n)]
+
+
+# The terms tried, most first: (indices into x, a getter of those columns of a row).
+_TERMS = tuple((idx, itemgetter(*idx)) for idx in ((0, 1, 2), (1, 2), (0, 1)))
 
 
 @dataclass(slots=True)
@@ -82,11 +95,11 @@ class TtftFit:
         d = self.decay
         x = (1.0, work_s, float(requests))
         self.n = self.n * d + 1
-        for i in range(3):
-            self.xy[i] = self.xy[i] * d + x[i] * observed_s
-            row = self.xx[i]
-            for j in range(3):
-                row[j] = row[j] * d + x[i] * x[j]
+        self.xy = [s * d + xi * observed_s for s, xi in zip(self.xy, x, strict=True)]
+        self.xx = [
+            [r * d + xi * xj for r, xj in zip(row, x, strict=True)]
+            for row, xi in zip(self.xx, x, strict=True)
+        ]
         self._fit()
 
     def _fit(self) -> None:
@@ -96,8 +109,8 @@ class TtftFit:
         if xx[0][1] > 0:
             scale = xy[0] / xx[0][1]
         if self.n >= 6:
-            for idx in ((0, 1, 2), (1, 2), (0, 1)):
-                sol = _solve([[xx[i][j] for j in idx] for i in idx], [xy[i] for i in idx])
+            for idx, pick in _TERMS:
+                sol = _solve([[*pick(xx[i]), xy[i]] for i in idx])
                 if sol is None or min(sol) < 0:
                     continue
                 coef = dict(zip(idx, sol, strict=True))

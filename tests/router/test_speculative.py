@@ -90,3 +90,16 @@ def test_engine_block_size_from_metrics_is_used_until_events_arrive() -> None:
     assert layouts.get("b").hash_block_size == 16  # type: ignore[union-attr]
     layouts.forget("a")
     assert layouts.get("a").hash_block_size == 16  # type: ignore[union-attr]
+
+
+def test_an_answered_request_past_its_ttl_never_releases_a_newer_ones_entries() -> None:
+    """Released when it expires, not at a batch that comes later (or never: an instance
+    publishing no events), when the same blocks may be held afresh by a request in flight."""
+    clock = Clock()
+    spec = SpeculativeResidency(ttl_s=2.0, clock=clock)
+    old = spec.record("a", {0: [7, 8]})
+    spec.settle("a", old)  # answered; no batch from "a" yet
+    clock.t = 2.5
+    spec.record("a", {0: [7, 8]})  # in flight, holding the same blocks anew
+    spec.flush("a")
+    assert spec.residency([7, 8], ["a"]) == {"a": {0: 0b11}}
