@@ -33,12 +33,15 @@ class FastObserve:
 
     def __init__(self, child: Any) -> None:
         self._child = child
-        self._bounds = tuple(child._upper_bounds)
-        self._buckets = child._buckets
-        self._sum = child._sum
-        plain = type(self._sum) is MutexValue and all(
-            type(b) is MutexValue for b in self._buckets
-        )  # fmt: skip
+        # prometheus_client's private layout (0.20-0.26); any other: the child's own observe.
+        self._bounds = tuple(getattr(child, "_upper_bounds", ()))
+        self._buckets = getattr(child, "_buckets", ())
+        self._sum = getattr(child, "_sum", None)
+        plain = (
+            len(self._bounds) == len(self._buckets) > 0
+            and type(self._sum) is MutexValue
+            and all(type(b) is MutexValue for b in self._buckets)
+        )
         self.observe = self._observe if plain else child.observe
 
     def _observe(self, amount: float) -> None:
