@@ -15,6 +15,7 @@ from stack.procs import free_port
 
 __all__ = [
     "PlayedSource",
+    "ScriptedUpstream",
     "batch",
     "catch_up",
     "eventually",
@@ -120,3 +121,53 @@ class PlayedSource:
     async def close(self) -> None:
         self.items.clear()
         self._closed.set()
+
+
+class ScriptedUpstream:
+    """A loopback HTTP/1.1 keep-alive engine stand-in, ``async with``-served: requests other
+    than POST (the health probe) get ``200 {}``; a subclass's :meth:`answer` writes the
+    answer to each POST. ``connections``: connections that carried a POST."""
+
+    def __init__(self) -> None:
+        self.url = ""
+        self.connections = 0
+        self._server: asyncio.Server | None = None
+
+    async def answer(
+        self, head: bytes, body: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
+        """Answer one POST (``head``: request line and headers); False closes the connection."""
+        raise NotImplementedError
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        posted = False
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                body = await reader.readexactly(length)
+                if not head.startswith(b"POST "):
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                else:
+                    self.connections += not posted
+                    posted = True
+                    if not await self.answer(head, body, reader, writer):
+                        return
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def __aenter__(self) -> ScriptedUpstream:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()

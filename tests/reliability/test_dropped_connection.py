@@ -4,15 +4,14 @@ is exhausted: a one-engine deployment answers instead of 503ing."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
+from routerkit import ScriptedUpstream
 
 from router.app import create_app
 from router.config import RouterSettings
 from router.state import RouterState
-from stack.procs import free_port
 
 ANSWER = {
     "id": "cmpl-1",
@@ -23,52 +22,26 @@ ANSWER = {
 }
 
 
-class DroppingUpstream:
-    """A loopback HTTP/1.1 upstream that reads the first ``drops`` POSTs and closes the
-    connection without a byte of answer; everything else gets a small JSON answer."""
+class DroppingUpstream(ScriptedUpstream):
+    """Reads the first ``drops`` POSTs and closes the connection without a byte of answer;
+    every later POST gets a small JSON answer."""
 
     def __init__(self, drops: int) -> None:
+        super().__init__()
         self.drops = drops
         self.posts = 0
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._server: asyncio.Server | None = None
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")
-                length = 0
-                for line in lines[1:]:
-                    name, _, value = line.partition(":")
-                    if name.strip().lower() == "content-length":
-                        length = int(value)
-                await reader.readexactly(length)
-                if lines[0].startswith("POST"):
-                    self.posts += 1
-                    if self.posts <= self.drops:
-                        return  # drop: close without answering
-                body = json.dumps(ANSWER).encode()
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                    + f"content-length: {len(body)}\r\n\r\n".encode()
-                    + body
-                )
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    async def __aenter__(self) -> DroppingUpstream:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        await self._server.wait_closed()
+    async def answer(self, head: bytes, body: bytes, reader, writer) -> bool:  # type: ignore[no-untyped-def]
+        self.posts += 1
+        if self.posts <= self.drops:
+            return False  # drop: close without answering
+        data = json.dumps(ANSWER).encode()
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        return True
 
 
 async def _post_through_router(upstream: DroppingUpstream) -> httpx.Response:

@@ -3,10 +3,10 @@ through byte for byte, per-stage and index metrics exported, one ``build_router`
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
+from routerkit import ScriptedUpstream
 
 from router.app import create_app
 from router.build import build_router
@@ -24,58 +24,27 @@ _SSE = b'data: {"choices":[{"text":"o"}]}\n\ndata: {"choices":[],"usage":{"kv_hi
 )
 
 
-class Upstream:
-    """HTTP/1.1 keep-alive server: JSON with Content-Length, or chunked SSE for streams.
-    Counts the connections POSTs came on and keeps each POST's raw head."""
+class Upstream(ScriptedUpstream):
+    """JSON with Content-Length, or chunked SSE for streams; keeps each POST's raw head."""
 
     def __init__(self) -> None:
-        self.connections = 0
+        super().__init__()
         self.heads: list[bytes] = []
-        self._server: asyncio.Server | None = None
-        self.url = ""
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        counted = False
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                if not head.startswith(b"POST "):  # the health probe
-                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
-                    continue
-                self.connections += not counted
-                counted = True
-                length = next(
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length:")
-                )
-                body = await reader.readexactly(length)
-                self.heads.append(head)
-                if json.loads(body).get("stream") is True:
-                    msg = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                    msg += b"transfer-encoding: chunked\r\n\r\n"
-                    for part in (_SSE[:20], _SSE[20:]):
-                        msg += b"%x\r\n%s\r\n" % (len(part), part)
-                    writer.write(msg + b"0\r\n\r\n")
-                else:
-                    writer.write(
-                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                        b"content-length: %d\r\n\r\n%s" % (len(_ANSWER), _ANSWER)
-                    )
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    async def __aenter__(self) -> Upstream:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
+    async def answer(self, head: bytes, body: bytes, reader, writer) -> bool:  # type: ignore[no-untyped-def]
+        self.heads.append(head)
+        if json.loads(body).get("stream") is True:
+            msg = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            msg += b"transfer-encoding: chunked\r\n\r\n"
+            for part in (_SSE[:20], _SSE[20:]):
+                msg += b"%x\r\n%s\r\n" % (len(part), part)
+            writer.write(msg + b"0\r\n\r\n")
+        else:
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(_ANSWER), _ANSWER)
+            )
+        return True
 
 
 async def _with_router(upstream: Upstream, fn):  # type: ignore[no-untyped-def]
