@@ -1,7 +1,8 @@
 #!/bin/sh
 # Runs inside docker/Dockerfile's build stages, into the venv /opt/kvroute:
 #   pip-install.sh deps [EXTRA]   the requirements pyproject.toml names (and the extra's)
-#   pip-install.sh wheel DIR      the kvroute wheel from /build into DIR
+#   pip-install.sh wheel DIR      the kvroute wheel into DIR: /build/dist's (built on the
+#                                 host) if there is one, else built from /build
 # Offline from /wheels/{base,engine} when they hold wheels, else from the indexes (torch
 # from its CPU index, so the engine image never carries CUDA).
 set -eu
@@ -37,6 +38,10 @@ PY
   wheel)
     dest=$1
     shift
+    if ls /build/dist/kvroute-*.whl >/dev/null 2>&1; then  # built on the host (docker/dist)
+      mkdir -p "$dest" && cp /build/dist/kvroute-*.whl "$dest"/
+      exit 0
+    fi
     $pip install "setuptools>=77" "$@"
     $pip wheel --no-deps --no-build-isolation -w "$dest" /build
     ;;

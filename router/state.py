@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 
+from events.hashing import native_hashing
 from router.admission import AdmissionConfig, AdmissionController
 from router.affinity import AffinityConfig, SessionAffinity
 from router.build import build_router, instrument
@@ -134,10 +135,11 @@ class RouterState:
         await self.registry.start()
         self._layout_task = asyncio.create_task(self._share_layouts(), name="layouts")
         log.info(
-            "router: %d instances, policy %s, index %s",
+            "router: %d instances, policy %s, index %s, block hashing %s",
             len(self.registry.all()),
             self.policy.name,
             self.settings.index,
+            "native" if native_hashing() else "pure Python (events._native not built)",
         )
 
     async def stop(self) -> None:

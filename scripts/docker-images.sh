@@ -104,6 +104,15 @@ rm -rf docker/wheelhouse/base docker/wheelhouse/engine
 cp -al "$WHEELS/base" "$WHEELS/engine" docker/wheelhouse/ 2>/dev/null \
   || cp -a "$WHEELS/base" "$WHEELS/engine" docker/wheelhouse/
 
+# The kvroute wheel, built here where a C compiler and OpenSSL's headers are (the build
+# stages have neither, and build offline): the images then carry the native block hasher.
+rm -f docker/dist/kvroute-*.whl
+if ! "$PY" -m pip wheel -q --no-deps -w docker/dist . >"$KVR_CACHE/logs/kvroute-wheel.log" 2>&1; then
+  rm -f docker/dist/kvroute-*.whl
+  kvr_log "could not build the kvroute wheel here (log: $KVR_CACHE/logs/kvroute-wheel.log);" \
+    "the images build their own, without the native hasher"
+fi
+
 # ---- images -------------------------------------------------------------------------------
 build() {  # $1 tag, then docker build arguments
   local tag=$1 log="$KVR_CACHE/logs/build-${1%%:*}.log"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import subprocess
 import threading
@@ -159,6 +160,12 @@ def test_router_image_has_no_torch_and_engine_image_has_cpu_torch(stack):
     assert r.stdout.strip() == "False", (r.stdout, r.stderr)
     r = _docker_run(*probe, "kvroute-engine:local", "-c", "import torch; print(torch.__version__)")
     assert r.stdout.strip() == "2.13.0+cpu", (r.stdout, r.stderr)
+    # Where this machine builds the native hasher (scripts/test.sh says so), the router
+    # image carries it too: docker-images.sh builds the kvroute wheel here (docker/dist).
+    if os.environ.get("KVROUTE_REQUIRE_NATIVE"):
+        code = "from events.hashing import native_hashing; print(native_hashing())"
+        r = _docker_run(*probe, "kvroute-router:local", "-c", code)
+        assert r.stdout.strip() == "True", (r.stdout, r.stderr)
     assert sizes["router"] < sizes["engine"] / 3, sizes
     status = _stack("status", timeout=30).stdout.split("\n")
     assert sorted(ln for ln in status if ln) == sorted(
