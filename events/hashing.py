@@ -120,11 +120,12 @@ def wire_hashes(digests: Sequence[bytes]) -> list[int]:
     joined = b"".join(digests)
     if n % 8 or len(joined) != n * len(digests):
         return [wire_hash(d) for d in digests]
-    return np.frombuffer(joined, dtype=">u8")[n // 8 - 1 :: n // 8].tolist()
+    return wire_hashes_of(joined, n)
 
 
 def wire_hashes_of(digests: bytes, digest_size: int) -> list[int]:
-    """``wire_hashes`` of digests given back to back (``hash_request_digests``)."""
+    """``wire_hashes`` of digests given back to back (``chain_digests``), ``digest_size``
+    a multiple of 8: each digest's last 8 bytes, big-endian."""
     k = digest_size // 8
     return np.frombuffer(digests, dtype=">u8")[k - 1 :: k].tolist()
 
