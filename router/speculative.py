@@ -90,6 +90,7 @@ class SpeculativeResidency:
         # only at what expired, not at every entry (a full scan cost ~8% of the router's
         # CPU under load).
         self._expiries: deque[tuple[float, str, list[int]]] = deque()
+        self._unexpired: set[int] = set()  # id() of the hash lists still in _expiries
 
     def record(self, instance: str, held: Mapping[int, Iterable[int]]) -> list[int]:
         """``held``: group_idx -> wire hashes that group will cache on ``instance``.
@@ -120,6 +121,7 @@ class SpeculativeResidency:
         store.update(fresh)
         recorded = list(groups_of)
         self._expiries.append((expiry, instance, recorded))
+        self._unexpired.add(id(recorded))
         return recorded
 
     @staticmethod
@@ -147,7 +149,12 @@ class SpeculativeResidency:
 
     def settle(self, instance: str, hashes: list[int]) -> None:
         """The request that recorded ``hashes`` on ``instance`` has been answered: release
-        them at the next :meth:`flush` of that instance."""
+        them at the next :meth:`flush` of that instance, or now if their TTL already
+        passed (purged before the answer: no expiry would release them later, and an
+        instance that publishes no events never flushes)."""
+        if id(hashes) not in self._unexpired:
+            self.release(instance, hashes)
+            return
         self._settled.setdefault(instance, {})[id(hashes)] = hashes
 
     def flush(self, instance: str) -> None:
@@ -230,6 +237,7 @@ class SpeculativeResidency:
         get = store.get
         while queue and queue[0][0] <= now:
             _, name, hashes = queue.popleft()
+            self._unexpired.discard(id(hashes))
             settled = self._settled.get(name)
             if settled and settled.pop(id(hashes), None) is not None:
                 self.release(name, hashes)  # answered: released as that batch would

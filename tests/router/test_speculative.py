@@ -103,3 +103,24 @@ def test_an_answered_request_past_its_ttl_never_releases_a_newer_ones_entries() 
     spec.record("a", {0: [7, 8]})  # in flight, holding the same blocks anew
     spec.flush("a")
     assert spec.residency([7, 8], ["a"]) == {"a": {0: 0b11}}
+
+
+def test_a_request_answered_after_its_ttl_is_released_at_once() -> None:
+    """Purged before the answer: nothing would release it later on an instance that
+    publishes no events, so the answer releases it (nothing is kept per request)."""
+    clock = Clock()
+    spec = SpeculativeResidency(ttl_s=2.0, clock=clock)
+    for _ in range(100):  # answered late, on an instance publishing no events
+        late = spec.record("a", {0: [1, 2]})
+        clock.t += 3.0
+        spec.record("b", {0: [5]})  # any record purges what expired
+        spec.settle("a", late)
+    assert spec._settled.get("a", {}) == {}  # nothing accumulates
+    on_time = spec.record("a", {0: [1, 2]})
+    spec.settle("a", on_time)  # answered within its TTL: held until a batch lands
+    assert spec.residency([1, 2], ["a"]) == {"a": {0: 0b11}}
+    assert len(spec._settled["a"]) == 1
+    clock.t += 3.0
+    spec.record("b", {0: [5]})
+    assert spec._settled["a"] == {}  # expired: released by the purge
+    assert spec.residency([1, 2], ["a"]) == {}
