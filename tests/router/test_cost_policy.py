@@ -55,6 +55,22 @@ def test_moves_when_the_holders_queue_exceeds_the_margin():
     assert d.ranked[-1] == "h"
 
 
+def test_a_continuation_stays_under_load_that_moves_a_mostly_new_prompt():
+    # 3700 of 4000 cached (>= 90%: a next turn): 300 x (1 + 8)^1 = 2700 < 4000 idle, it
+    # stays; stretched like a new prompt (^1.5: 8100) it would move and recompute it all.
+    busy = dict(inflight_requests=3, running_requests=5)
+    turn = policy().choose([Candidate("h", gpu_tokens=3700, **busy), Candidate("a")], PROMPT)
+    assert (turn.instance, turn.reason) == ("h", "min_cost")
+    off = policy(continuation_exponent=1.5)
+    assert (
+        off.choose([Candidate("h", gpu_tokens=3700, **busy), Candidate("a")], PROMPT).instance
+        == "a"
+    )
+    # 3000 of 4000 (75%): the load stretch of any new work, 1000 x 9^1.5 > 4000: it moves
+    new = policy().choose([Candidate("h", gpu_tokens=3000, **busy), Candidate("a")], PROMPT)
+    assert new.instance == "a"
+
+
 def test_full_attention_prefix_is_credited_where_a_sparse_group_cut_the_hit():
     # Both hold nothing usable for this request's hit; "home" holds its full-attention
     # prefix (a sliding-window group's state at the end was evicted).
