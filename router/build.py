@@ -61,7 +61,7 @@ def build_router(
         if clock is None
         else SpeculativeResidency(settings.speculative_ttl_s, clock=clock)
     )
-    return Router(
+    router = Router(
         registry=registry,
         scorer=Scorer(
             index,
@@ -81,3 +81,5 @@ def build_router(
         seed=settings.seed,
         affinity=affinity,
     )
+    layouts.on_change = router.relayout
+    return router

@@ -53,6 +53,9 @@ class RouteDecision:
     # router.gate's: the model's pool before the busy filter, and the LoRA adapter.
     pool: list[Any] = field(default_factory=list)
     lora: tuple[str, str | None] | None = None
+    # What the hashes were made from (token ids, cache_salt, LoRA key), to hash again at
+    # another block size when an instance's first events name its own (Router.relayout).
+    hash_input: tuple[list[int], str | None, tuple[str, str | None] | None] | None = None
 
     def block_hashes(self, instance: str) -> list[int]:
         return self.hashes.get(self.hash_size.get(instance, 0), [])
@@ -83,6 +86,11 @@ class Router:
     seed: str | None
     affinity: SessionAffinity | None = None
     prompt_hashes: PromptHashes = field(init=False)
+    # instance -> id(decision) -> (decision, the layout its speculative entries assumed),
+    # while the request is in flight: re-recorded when the instance's layout changes.
+    _recorded: dict[str, dict[int, tuple[RouteDecision, Any]]] = field(
+        init=False, default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         self.prompt_hashes = PromptHashes(self.hash_algo, self.seed)
@@ -172,6 +180,8 @@ class Router:
             elapsed,
         )
         out.affinity = affinity
+        if ids:
+            out.hash_input = (ids, salt, lora)
         if record:
             self.routed(out, decision.instance)
         return out
@@ -217,13 +227,43 @@ class Router:
                 positions = positions[: bisect_left(positions, n)]
             per_group[g] = list(map(take, positions))
         decision.speculative_held[instance] = self.speculative.record(instance, per_group)
+        self._recorded.setdefault(instance, {})[id(decision)] = (decision, layout)
 
     def settled(self, decision: RouteDecision, instance: str) -> None:
         """The routed request ended: its events are published; the index takes over at
         the next batch applied from ``instance``."""
+        recorded = self._recorded.get(instance)
+        if recorded:
+            recorded.pop(id(decision), None)
         held = decision.speculative_held.pop(instance, None)
         if held:
             self.speculative.settle(instance, held)
+
+    def relayout(self, instance: str) -> None:
+        """``instance``'s layout changed (its first events taught its groups): what was
+        predicted for its requests in flight assumed the old one -- before an engine's
+        first events, the default (full attention alone), which credits a hybrid's
+        sliding-window and Mamba groups with every block, so every next request scores
+        no hit there and leaves; and the block size vLLM chose (128 for the tiny Gemma-3
+        on CPU) may not be the one configured. Record them again as the new layout
+        retains them, hashed at its block size."""
+        recorded = self._recorded.get(instance)
+        layout = self.scorer.layouts.get(instance)
+        if not recorded or layout is None:
+            return
+        size = layout.hash_block_size
+        for decision, assumed in list(recorded.values()):
+            if assumed == layout:
+                continue
+            del recorded[id(decision)]
+            held = decision.speculative_held.pop(instance, None)
+            if held:
+                self.speculative.release(instance, held)
+            if size not in decision.hashes and decision.hash_input is not None:
+                ids, salt, lora = decision.hash_input  # vLLM hashes at another block size
+                decision.hashes[size] = self.prompt_hashes.wire_hashes(ids, size, salt, lora)
+            decision.hash_size[instance] = size
+            self.routed(decision, instance)
 
     async def explain(self, decision: RouteDecision) -> dict[str, Any]:
         """``/debug/route``: per instance hits per tier and group, queue terms, TTFT."""

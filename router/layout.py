@@ -10,7 +10,7 @@ Precedence: configured for the instance > learned > the registry default.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -50,6 +50,9 @@ class LayoutRegistry:
         self._chunk: dict[str, int] = {}  # tokens per CPU chunk, from self-describing events
         self._warned: set[str] = set()  # instances whose block size disagreed (warned once)
         self._hinted: dict[str, InstanceLayout] = {}  # default groups at the engine's size
+        # Called with the instance's name when its learned layout changes (the router
+        # re-records what it predicted for requests in flight under the layout it assumed).
+        self.on_change: Callable[[str], None] | None = None
 
     def configure(self, instance: str, layout: InstanceLayout | None) -> None:
         if layout is None:
@@ -94,7 +97,13 @@ class LayoutRegistry:
 
     def set_learned(self, instance: str, layout: InstanceLayout) -> None:
         """Adopt a layout another process learned (shared index readers)."""
-        self._learned[instance] = layout
+        if self._learned.get(instance) != layout:
+            self._learned[instance] = layout
+            self._changed(instance)
+
+    def _changed(self, instance: str) -> None:
+        if self.on_change is not None:
+            self.on_change(instance)
 
     async def refresh_from(self, index: Any) -> int:
         """Adopt the layouts ingesters shared through ``index.put_layout`` (a reader router
@@ -107,7 +116,7 @@ class LayoutRegistry:
                 log.warning("instance %s: unreadable shared layout %r", name, raw)
                 continue
             if self._learned.get(name) != layout:
-                self._learned[name] = layout
+                self.set_learned(name, layout)
                 changed += 1
         return changed
 
@@ -149,6 +158,7 @@ class LayoutRegistry:
             changed = True
         if changed and seen:
             self._learned[instance] = self._build(instance, seen)
+            self._changed(instance)
             return True
         return False
 
