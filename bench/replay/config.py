@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from bench.replay.trace import TRACE_BLOCK_TOKENS
 from engine_adapter.sim.timing import TimingModel
 
 __all__ = ["OURS_POLICIES", "PEERS", "EngineConfig", "ReplayConfig", "parse_router"]
@@ -39,6 +40,7 @@ class EngineConfig:
     prefill_tokens_per_s: float = 10_000.0
     max_model_len: int | None = None  # None: what the engine's GPU blocks hold
     hash_algo: str = "sha256_cbor"
+    layout: str | None = None  # groups overriding the profile's, e.g. "swa:64*5,full"
 
     def __post_init__(self) -> None:
         if self.block_size is None:
@@ -60,6 +62,7 @@ class EngineConfig:
             "--blocks-per-chunk": self.blocks_per_chunk,
             "--block-size": self.block_size,
             "--sliding-window": self.sliding_window,
+            "--layout": self.layout,
             "--page-bytes": self.page_bytes,
             "--max-num-seqs": self.max_num_seqs,
             "--max-num-batched-tokens": self.max_num_batched_tokens,
@@ -85,6 +88,9 @@ class ReplayConfig:
     max_output_tokens: int = 64
     seed: int = 0  # prompt text and policy tie-breaking
     model: str = "kvroute-sim"
+    # characters (byte tokens) of text per trace block: 128 for the real-vLLM harness's
+    # prompts, which its tiny models' 2,048-token context must hold
+    block_chars: int = TRACE_BLOCK_TOKENS
     temperature: float = 0.0
 
     def max_tokens(self, output_length: int) -> int:

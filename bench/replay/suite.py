@@ -66,6 +66,7 @@ def suite_config(w: SuiteWorkload, seed: int) -> ReplayConfig:
         time_scale=w.time_scale,
         max_output_tokens=w.max_output_tokens,
         seed=seed,
+        block_chars=w.block_chars,
     )
 
 

@@ -25,12 +25,21 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from bench.replay.config import EngineConfig
 from bench.replay.trace import TRACE_BLOCK_TOKENS, TraceRequest, reindex
 
-__all__ = ["SUITE", "SuiteWorkload", "agent_chat", "branching", "rag", "recency"]
+__all__ = [
+    "REAL_SHAPE_SCALE",
+    "SUITE",
+    "SuiteWorkload",
+    "agent_chat",
+    "agent_chat_real_shape",
+    "branching",
+    "rag",
+    "recency",
+]
 
 B = TRACE_BLOCK_TOKENS
 _Rec = tuple[float, int, int, tuple[int, ...]]  # time, input length, output, hash ids
@@ -86,6 +95,19 @@ def agent_chat(seed: int) -> list[TraceRequest]:
             t += rng.uniform(1.5, 4.0)
         slots[k] = t
     return _finish(recs)
+
+
+REAL_SHAPE_SCALE = 4  # trace tokens per prompt character in the real-vLLM shape
+
+
+def agent_chat_real_shape(seed: int) -> list[TraceRequest]:
+    """``agent_chat`` 4x down, as the real-vLLM harness sends it (``real_vllm.py``): each
+    512-token trace block becomes 128 characters, so prompts fit the tiny models' 2,048
+    tokens and shared prefixes stay shared (replay it with ``block_chars`` 128)."""
+    return [
+        replace(r, input_length=max(r.input_length // REAL_SHAPE_SCALE, 1))
+        for r in agent_chat(seed)
+    ]
 
 
 def rag(seed: int) -> list[TraceRequest]:
@@ -162,6 +184,7 @@ class SuiteWorkload:
     requests: int | None = None  # a slice of the trace
     start: int = 0
     max_output_tokens: int = 128
+    block_chars: int = TRACE_BLOCK_TOKENS  # ``ReplayConfig.block_chars``
 
 
 _TRACES = "bench/replay/traces"
@@ -200,3 +223,19 @@ SUITE: dict[str, SuiteWorkload] = {
     )
     for key, (text, engines, profile, blocks, scale, src) in _ROWS.items()
 }  # fmt: skip
+# (a) on the real-vLLM harness's engines (``real_vllm.py``), so the sim's figures can be
+# set beside vLLM's own: the tiny Gemma-3-like model's groups (5 windows of 64 + full), the
+# block size vLLM picks for it on CPU (128), 400 blocks, 512-token chunks, 4 output tokens,
+# and the prompt rate those CPU engines reach sharing this machine's 2 cores (~150 tokens/s
+# each: it reproduces the harness's TTFTs).
+SUITE["a_real_shape"] = SuiteWorkload(
+    "a_real_shape",
+    "(a) 4x down on the real-vLLM harness's engines (swa:64*5,full, 128-token blocks, 400)",
+    3,
+    EngineConfig(profile="gemma3", layout="swa:64*5,full", block_size=128, gpu_blocks=400,
+                 cpu_blocks=0, max_num_batched_tokens=512, prefill_tokens_per_s=150.0),
+    4.0,
+    generate=agent_chat_real_shape,
+    max_output_tokens=4,
+    block_chars=TRACE_BLOCK_TOKENS // REAL_SHAPE_SCALE,
+)  # fmt: skip

@@ -64,15 +64,16 @@ def block_text(block_id: int, seed: int = 0) -> str:
     return raw.translate(_TABLE).decode("ascii")
 
 
-def prompt_text(req: TraceRequest, seed: int = 0) -> str:
-    """The request's blocks' text cut to ``input_length`` characters (= byte tokens)."""
-    need = -(-req.input_length // TRACE_BLOCK_TOKENS)
+def prompt_text(req: TraceRequest, seed: int = 0, block_chars: int = TRACE_BLOCK_TOKENS) -> str:
+    """The request's blocks' text (each cut to ``block_chars``) cut to ``input_length``
+    characters (= byte tokens)."""
+    need = -(-req.input_length // block_chars)
     if need > len(req.hash_ids):
         raise ValueError(
             f"request {req.index}: {req.input_length} tokens need {need} blocks, "
             f"trace gives {len(req.hash_ids)}"
         )
-    text = "".join(block_text(b, seed) for b in req.hash_ids[:need])
+    text = "".join(block_text(b, seed)[:block_chars] for b in req.hash_ids[:need])
     return text[: req.input_length]
 
 

@@ -8,8 +8,8 @@ import pytest
 
 from bench.replay.peer_models import SglangCacheAwareModel, VllmKvAwareModel
 from bench.replay.suite import interval, run_suite
-from bench.replay.suite_workloads import SUITE, agent_chat
-from bench.replay.trace import TRACE_BLOCK_TOKENS
+from bench.replay.suite_workloads import SUITE, agent_chat, agent_chat_real_shape
+from bench.replay.trace import TRACE_BLOCK_TOKENS, prompt_text
 from router.policy import Candidate
 
 
@@ -25,6 +25,17 @@ def test_generators_are_deterministic_and_share_whole_blocks():
             continue
         for r in w.generate(0):
             assert len(r.hash_ids) * TRACE_BLOCK_TOKENS >= r.input_length, key
+
+
+def test_real_shape_is_agent_chat_4x_down_with_its_prefixes_still_shared():
+    """What the real-vLLM harness sends, and the suite's ``a_real_shape`` simulates."""
+    w = SUITE["a_real_shape"]
+    reqs = agent_chat_real_shape(0)
+    texts = [prompt_text(r, 0, w.block_chars) for r in reqs]
+    assert [len(t) for t in texts] == [r.input_length // 4 for r in agent_chat(0)]
+    assert max(map(len, texts)) + w.max_output_tokens <= 2048  # the tiny models' context
+    agents = [t for r, t in zip(reqs, texts, strict=True) if r.hash_ids[0] == 0]
+    assert len({t[: 10 * w.block_chars] for t in agents}) == 1  # the shared context
 
 
 def test_interval_is_a_student_t_half_width():
