@@ -40,6 +40,19 @@ _INTERN_MAX = 1 << 16
 # Lookups OR each run's positions into the columns of its holder set, a Python step per
 # (holder set, column) pair; past this many pairs numpy's transpose is cheaper.
 _RUN_BITS_MAX = 2048
+# Holder sets whose columns a lookup remembers (few recur: blocks sharing a holder set
+# share one interned bitset); past this many the memo starts again.
+_MEMBERS_MAX = 4096
+
+
+def _columns(bits: int) -> tuple[int, ...]:
+    """The columns of a holder set, ascending."""
+    out = []
+    while bits:
+        low = bits & -bits
+        out.append(low.bit_length() - 1)
+        bits ^= low
+    return tuple(out)
 
 
 @dataclass(slots=True)
@@ -62,6 +75,8 @@ class MemoryIndex:
         self._free: list[int] = []
         self._inst: dict[str, _Instance] = {}
         self._layouts: dict[str, dict[str, Any]] = {}
+        # holder set (a bitset of columns) -> its columns: pure, so never stale
+        self._members: dict[int, tuple[int, ...]] = {}
 
     # ---- protocol (async wrappers) -----------------------------------------------------
 
@@ -305,25 +320,33 @@ class MemoryIndex:
                     keep |= st.mask
         if sum(v.bit_count() for v in runs) <= _RUN_BITS_MAX:
             cols: dict[int, int] = {}
+            members = self._members
             for v, positions in runs.items():
                 v &= keep
-                while v:  # each column of the holder set gets the run's positions
-                    low = v & -v
-                    col = low.bit_length() - 1
+                each = members.get(v)
+                if each is None:  # a holder set's columns, worked out once per set
+                    if len(members) >= _MEMBERS_MAX:
+                        members.clear()
+                    each = members[v] = _columns(v)
+                if not cols:  # the first run (often the widest: a shared prefix), in C
+                    cols = dict.fromkeys(each, positions)
+                    continue
+                for col in each:  # each column of the holder set gets the run's positions
                     cols[col] = cols.get(col, 0) | positions
-                    v ^= low
         else:  # fragmented residency: many holder sets, transposed at once with numpy
             cols = self._transpose(vals, runs.keys(), keep)
         out: dict[str, Residency] = {}
         owner = self._owner
         for col, mask in cols.items():
             who = owner[col]
-            if who is not None:
-                res = out.get(who[0])
-                if res is None:
-                    out[who[0]] = {who[1]: mask}
-                else:
-                    res[who[1]] = mask
+            if who is None:
+                continue
+            name, slot = who
+            res = out.get(name)
+            if res is None:
+                out[name] = {slot: mask}
+            else:
+                res[slot] = mask
         return out
 
     @staticmethod
