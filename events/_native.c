@@ -11,6 +11,10 @@
  * Anything outside what is encoded here (negative or >= 2**64 ids, non-int items, pickle
  * extra keys, a pickle frame of 64 KiB or more) returns None: the caller takes the Python
  * path. Token ids come from a list/tuple of exact ints or a C-contiguous integer buffer.
+ *
+ * Also the memory index's lookup transpose (column_masks, for router.index.memory, whose
+ * Python path is the reference): it lives here because this is the one optional
+ * extension the package builds; it knows nothing of the router but its data layout.
  */
 #define PY_SSIZE_T_CLEAN
 #define OPENSSL_SUPPRESS_DEPRECATED
