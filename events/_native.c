@@ -11,6 +11,10 @@
  * Anything outside what is encoded here (negative or >= 2**64 ids, non-int items, pickle
  * extra keys, a pickle frame of 64 KiB or more) returns None: the caller takes the Python
  * path. Token ids come from a list/tuple of exact ints or a C-contiguous integer buffer.
+ *
+ * Also the memory index's lookup transpose (column_masks, for router.index.memory, whose
+ * Python path is the reference): it lives here because this is the one optional
+ * extension the package builds; it knows nothing of the router but its data layout.
  */
 #define PY_SSIZE_T_CLEAN
 #define OPENSSL_SUPPRESS_DEPRECATED
@@ -397,10 +401,257 @@ pack_u32(PyObject *self, PyObject *obj)
     return out;
 }
 
+/* ---- the memory index's lookup -------------------------------------------------------- */
+
+/* router.index.memory keeps per block hash a bitset of the columns (instance, slot) that
+ * hold it. A lookup wants the transpose: per column, the mask of the request's positions
+ * it holds. In Python that is a step per (run of one holder set, column) pair and one per
+ * column, ~30 us over 32 instances; here the positions are ORed as 64-bit words. */
+
+typedef struct {
+    Py_ssize_t holder, start, len;
+} run_t;
+
+static inline void
+set_range(uint64_t *w, Py_ssize_t start, Py_ssize_t len)
+{
+    Py_ssize_t last = start + len - 1;
+    Py_ssize_t a = start >> 6, b = last >> 6;
+    uint64_t lo = ~0ULL << (start & 63), hi = ~0ULL >> (63 - (last & 63));
+    if (a == b) {
+        w[a] |= lo & hi;
+        return;
+    }
+    w[a] |= lo;
+    for (Py_ssize_t i = a + 1; i < b; i++)
+        w[i] = ~0ULL;
+    w[b] |= hi;
+}
+
+static PyObject *
+int_from_words(const uint64_t *w, Py_ssize_t words, unsigned char *scratch)
+{
+    for (Py_ssize_t i = 0; i < words; i++)
+        for (int k = 0; k < 8; k++)
+            scratch[8 * i + k] = (unsigned char)(w[i] >> (8 * k));
+#if PY_VERSION_HEX >= 0x030D0000
+    return PyLong_FromUnsignedNativeBytes(
+        scratch, (size_t)(8 * words),
+        Py_ASNATIVEBYTES_LITTLE_ENDIAN | Py_ASNATIVEBYTES_UNSIGNED_BUFFER);
+#else
+    return _PyLong_FromByteArray(scratch, (size_t)(8 * words), 1, 0);
+#endif
+}
+
+PyDoc_STRVAR(column_masks_doc,
+"column_masks(blocks, hashes, keep, members, columns, members_max, owner) -> dict | None\n\n"
+"router.index.memory's lookup (its Python path is the reference): per position of\n"
+"hashes its holder set blocks.get(hash) (a bitset of columns; absent: none), runs of\n"
+"equal holder sets, each holder set's columns (members[holder & keep], else\n"
+"columns(holder & keep), remembered in members, which is cleared first once it holds\n"
+"members_max), and per column the mask of the positions whose holder set has it:\n"
+"{owner[col][0]: {owner[col][1]: mask}} (owner[col] None: left out). None when hashes\n"
+"holds something other than an exact int (use the Python path).");
+
+static PyObject *
+column_masks(PyObject *self, PyObject *args)
+{
+    PyObject *blocks, *hashes, *keep, *members, *columns, *owner;
+    Py_ssize_t members_max;
+    if (!PyArg_ParseTuple(args, "O!O!OO!OnO!", &PyDict_Type, &blocks, &PyList_Type, &hashes,
+                          &keep, &PyDict_Type, &members, &columns, &members_max,
+                          &PyList_Type, &owner))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyLong_CheckExact(PyList_GET_ITEM(hashes, i)))
+            Py_RETURN_NONE;
+    Py_ssize_t words = (n + 63) / 64, ncols = PyList_GET_SIZE(owner);
+    run_t *runs = PyMem_Malloc(sizeof(run_t) * (size_t)(n ? n : 1));
+    PyObject *number = PyDict_New(); /* holder set -> its index in holders */
+    PyObject *holders = PyList_New(0);
+    PyObject *out = PyDict_New();
+    PyObject **each = NULL;          /* per holder set: its columns (a tuple) */
+    uint64_t *pos = NULL, *bufs = NULL;
+    Py_ssize_t *order = NULL;        /* the columns in first-touch order */
+    uint32_t *touched = NULL;        /* per column: 0, or its place in order + 1 */
+    unsigned char *scratch = NULL;
+    Py_ssize_t nruns = 0, nh = 0, ntouched = 0;
+    if (runs == NULL || number == NULL || holders == NULL || out == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto error;
+    }
+    /* 1. Runs of equal holder sets (== as itertools.groupby; absent blocks: none). The
+     * holder sets are borrowed from blocks: nothing here runs Python code that could
+     * change it (int keys and values only). */
+    PyObject *cur = NULL;
+    Py_ssize_t start = 0;
+    for (Py_ssize_t i = 0; i <= n; i++) {
+        PyObject *v = NULL;
+        if (i < n) {
+            v = PyDict_GetItemWithError(blocks, PyList_GET_ITEM(hashes, i));
+            if (v == NULL && PyErr_Occurred())
+                goto error;
+            if (v == cur)
+                continue;
+            if (v != NULL && cur != NULL) {
+                int eq = PyObject_RichCompareBool(v, cur, Py_EQ);
+                if (eq < 0)
+                    goto error;
+                if (eq)
+                    continue;
+            }
+        }
+        if (cur != NULL) {
+            int truth = PyObject_IsTrue(cur);
+            if (truth < 0)
+                goto error;
+            if (truth) {
+                PyObject *num = PyDict_GetItemWithError(number, cur);
+                Py_ssize_t h;
+                if (num != NULL) {
+                    h = PyLong_AsSsize_t(num);
+                } else {
+                    if (PyErr_Occurred())
+                        goto error;
+                    h = PyList_GET_SIZE(holders);
+                    PyObject *hn = PyLong_FromSsize_t(h);
+                    if (hn == NULL)
+                        goto error;
+                    int rc = PyDict_SetItem(number, cur, hn);
+                    Py_DECREF(hn);
+                    if (rc < 0 || PyList_Append(holders, cur) < 0)
+                        goto error;
+                }
+                runs[nruns].holder = h;
+                runs[nruns].start = start;
+                runs[nruns].len = i - start;
+                nruns++;
+            }
+        }
+        cur = v;
+        start = i;
+    }
+    nh = PyList_GET_SIZE(holders);
+    if (nh == 0)
+        goto done;
+    /* 2. Per holder set its positions, and its columns (kept ones only). */
+    pos = PyMem_Calloc((size_t)(nh * words), sizeof(uint64_t));
+    each = PyMem_Calloc((size_t)nh, sizeof(PyObject *));
+    touched = PyMem_Calloc((size_t)(ncols ? ncols : 1), sizeof(uint32_t));
+    order = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(ncols ? ncols : 1));
+    if (pos == NULL || each == NULL || touched == NULL || order == NULL) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    for (Py_ssize_t r = 0; r < nruns; r++)
+        set_range(pos + runs[r].holder * words, runs[r].start, runs[r].len);
+    for (Py_ssize_t h = 0; h < nh; h++) {
+        PyObject *kept = PyNumber_And(PyList_GET_ITEM(holders, h), keep);
+        if (kept == NULL)
+            goto error;
+        PyObject *cols = PyDict_GetItemWithError(members, kept);
+        if (cols != NULL) {
+            Py_INCREF(cols);
+        } else if (!PyErr_Occurred()) {
+            if (PyDict_GET_SIZE(members) >= members_max)
+                PyDict_Clear(members);
+            cols = PyObject_CallOneArg(columns, kept);
+            if (cols != NULL && PyDict_SetItem(members, kept, cols) < 0)
+                Py_CLEAR(cols);
+        }
+        Py_DECREF(kept);
+        if (cols == NULL)
+            goto error;
+        each[h] = cols;
+        if (!PyTuple_Check(cols)) {
+            PyErr_SetString(PyExc_TypeError, "columns() must return a tuple");
+            goto error;
+        }
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(cols); k++) {
+            Py_ssize_t c = PyLong_AsSsize_t(PyTuple_GET_ITEM(cols, k));
+            if (c == -1 && PyErr_Occurred())
+                goto error;
+            if (c < 0 || c >= ncols) {
+                PyErr_SetString(PyExc_IndexError, "column without an owner entry");
+                goto error;
+            }
+            if (!touched[c]) {
+                order[ntouched] = c;
+                touched[c] = (uint32_t)++ntouched;
+            }
+        }
+    }
+    /* 3. Per column, the OR of its holder sets' positions; then the owners' dicts. */
+    bufs = PyMem_Calloc((size_t)((ntouched ? ntouched : 1) * words), sizeof(uint64_t));
+    scratch = PyMem_Malloc((size_t)(8 * words));
+    if (bufs == NULL || scratch == NULL) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    for (Py_ssize_t h = 0; h < nh; h++) {
+        const uint64_t *src = pos + h * words;
+        PyObject *cols = each[h];
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(cols); k++) {
+            Py_ssize_t c = PyLong_AsSsize_t(PyTuple_GET_ITEM(cols, k));
+            uint64_t *dst = bufs + (touched[c] - 1) * words;
+            for (Py_ssize_t i = 0; i < words; i++)
+                dst[i] |= src[i];
+        }
+    }
+    for (Py_ssize_t k = 0; k < ntouched; k++) {
+        PyObject *who = PyList_GET_ITEM(owner, order[k]);
+        if (who == Py_None)
+            continue;
+        if (!PyTuple_Check(who) || PyTuple_GET_SIZE(who) != 2) {
+            PyErr_SetString(PyExc_TypeError, "owner entries must be (instance, slot)");
+            goto error;
+        }
+        PyObject *mask = int_from_words(bufs + k * words, words, scratch);
+        if (mask == NULL)
+            goto error;
+        PyObject *name = PyTuple_GET_ITEM(who, 0);
+        PyObject *res = PyDict_GetItemWithError(out, name);
+        int rc = 0;
+        if (res == NULL) {
+            if (PyErr_Occurred() || (res = PyDict_New()) == NULL) {
+                Py_DECREF(mask);
+                goto error;
+            }
+            rc = PyDict_SetItem(out, name, res);
+            Py_DECREF(res); /* out holds it */
+        }
+        if (rc == 0)
+            rc = PyDict_SetItem(res, PyTuple_GET_ITEM(who, 1), mask);
+        Py_DECREF(mask);
+        if (rc < 0)
+            goto error;
+    }
+done:
+    if (each != NULL)
+        for (Py_ssize_t h = 0; h < nh; h++)
+            Py_XDECREF(each[h]);
+    PyMem_Free(each);
+    PyMem_Free(runs);
+    PyMem_Free(pos);
+    PyMem_Free(bufs);
+    PyMem_Free(order);
+    PyMem_Free(touched);
+    PyMem_Free(scratch);
+    Py_XDECREF(number);
+    Py_XDECREF(holders);
+    return out;
+error:
+    Py_CLEAR(out);
+    goto done;
+}
+
 static PyMethodDef methods[] = {
     {"sha256_cbor_chain", sha256_cbor_chain, METH_VARARGS, sha256_cbor_doc},
     {"sha256_pickle_chain", sha256_pickle_chain, METH_VARARGS, sha256_pickle_doc},
     {"pack_u32", pack_u32, METH_O, pack_u32_doc},
+    {"column_masks", column_masks, METH_VARARGS, column_masks_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -102,6 +102,21 @@ class TtftFit:
         ]
         self._fit()
 
+    def added(self, work_s: float, observed_s: float, requests: float = 0.0) -> TtftFit:
+        """A copy with one more point (``add``); this fit stays as it was, for the
+        decisions that were made with it and read their predictions later."""
+        new = TtftFit(
+            self.decay,
+            self.n,
+            [row[:] for row in self.xx],
+            self.xy[:],
+            self.fixed_s,
+            self.scale,
+            self.per_request_s,
+        )
+        new.add(work_s, observed_s, requests)
+        return new
+
     def _fit(self) -> None:
         xx, xy = self.xx, self.xy
         fixed, scale, per = 0.0, xy[1] / xx[1][1] if xx[1][1] else 1.0, 0.0  # ratio

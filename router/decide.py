@@ -125,11 +125,17 @@ class Router:
         m.stage_tokenize.observe(t_hash - t0)
         n_tokens = len(ids) if ids is not None else 0
         # 1. Which hash block size each candidate uses (vLLM picks it; events tell).
-        urls = [i.url for i in healthy]
-        hash_size = {u: self.hash_block_size(u) for u in urls}
-        by_size: dict[int, list[str]] = {}
-        for u, size in hash_size.items():
-            by_size.setdefault(size, []).append(u)
+        urls = [i.spec.url for i in healthy]
+        layout_of, default_size = self.scorer.layouts.get, self.block_size
+        hash_size: dict[str, int] = {}
+        for u in urls:
+            layout = layout_of(u)
+            hash_size[u] = layout.hash_block_size if layout is not None else default_size
+        sizes = set(hash_size.values())
+        by_size: dict[int, list[str]] = {sizes.pop(): urls} if len(sizes) == 1 else {}
+        if sizes:  # instances hashing at different sizes
+            for u, size in hash_size.items():
+                by_size.setdefault(size, []).append(u)
         # 2. The prompt's block hashes at each size; 3. index + speculative residency,
         # scored by the one hit rule per instance.
         hashes: dict[int, list[int]] = {}
@@ -159,7 +165,7 @@ class Router:
                 t_hash = time.perf_counter()
                 m.stage_score.observe(t_hash - t_score)
         # 4. The policy ranks the candidates.
-        candidates = {i.url: self._candidate(i, scores.get(i.url)) for i in healthy}
+        candidates = self._candidates(healthy, urls, scores)
         decision = self.policy.choose(list(candidates.values()), max(n_tokens, 1))
         affinity = None
         if self.affinity is not None:
@@ -187,22 +193,29 @@ class Router:
         return out
 
     @staticmethod
-    def _candidate(inst: Instance, score: Score | None) -> Candidate:
-        gpu, cpu, full = score if score else ZERO
-        # Candidate's fields in order, without the NamedTuple's Python-level __new__.
-        return _new(
-            Candidate,
-            (
-                inst.url,
-                gpu,
-                cpu,
-                inst.inflight_requests,
-                inst.inflight_prefill_tokens,
-                inst.running_requests,
-                inst.engine_waiting,
-                full,
-            ),
-        )
+    def _candidates(
+        healthy: Sequence[Instance], urls: Sequence[str], scores: dict[str, Score]
+    ) -> dict[str, Candidate]:
+        """Each instance as the policy sees it: its hit and the router's load on it."""
+        out: dict[str, Candidate] = {}
+        get = scores.get
+        for inst, url in zip(healthy, urls, strict=True):
+            gpu, cpu, full = get(url) or ZERO
+            # Candidate's fields in order, without the NamedTuple's Python-level __new__.
+            out[url] = _new(
+                Candidate,
+                (
+                    url,
+                    gpu,
+                    cpu,
+                    inst.inflight_requests,
+                    inst.inflight_prefill_tokens,
+                    inst.running_requests,
+                    inst.engine_waiting,
+                    full,
+                ),
+            )
+        return out
 
     def routed(self, decision: RouteDecision, instance: str) -> None:
         """Predict-on-route: the blocks the chosen instance will cache for this prompt,

@@ -36,14 +36,18 @@ InstanceLayout = KVCacheLayout
 
 
 class LayoutRegistry:
-    """Layouts per instance: configured, learned from events, or the default."""
+    """Layouts per instance: configured, learned from events, or the default.
+
+    ``get`` runs for every candidate of every decision: its answers are remembered until
+    any layout changes (every change goes through a method here, which forgets them)."""
 
     def __init__(
         self,
         default: InstanceLayout | None = None,
         configured: Mapping[str, InstanceLayout] | None = None,
     ) -> None:
-        self.default = default
+        self._resolved: dict[str, InstanceLayout | None] = {}
+        self._default = default
         self._configured: dict[str, InstanceLayout] = dict(configured or {})
         self._learned: dict[str, InstanceLayout] = {}
         self._seen: dict[str, dict[int, tuple[str | None, int | None, int]]] = {}
@@ -54,19 +58,37 @@ class LayoutRegistry:
         # re-records what it predicted for requests in flight under the layout it assumed).
         self.on_change: Callable[[str], None] | None = None
 
+    @property
+    def default(self) -> InstanceLayout | None:
+        return self._default
+
+    @default.setter
+    def default(self, layout: InstanceLayout | None) -> None:
+        self._default = layout
+        self._resolved.clear()
+
     def configure(self, instance: str, layout: InstanceLayout | None) -> None:
         if layout is None:
             self._configured.pop(instance, None)
         else:
             self._configured[instance] = layout
+        self._resolved.clear()
 
     def get(self, instance: str) -> InstanceLayout | None:
-        return (
+        try:
+            return self._resolved[instance]
+        except KeyError:
+            pass
+        layout = (
             self._configured.get(instance)
             or self._learned.get(instance)
             or self._hinted.get(instance)
-            or self.default
+            or self._default
         )
+        if len(self._resolved) >= 4096:  # names asked about that no instance has
+            self._resolved.clear()
+        self._resolved[instance] = layout
+        return layout
 
     def hint_block_size(self, instance: str, block_size: int) -> None:
         """The engine's block size from its ``/metrics`` (``vllm:cache_config_info``):
@@ -75,6 +97,7 @@ class LayoutRegistry:
             return
         groups = tuple(_resize(g, block_size) for g in self.default.groups)
         self._hinted[instance] = InstanceLayout(groups)
+        self._resolved.clear()
 
     def learned(self, instance: str) -> InstanceLayout | None:
         return self._learned.get(instance)
@@ -94,6 +117,7 @@ class LayoutRegistry:
         self._hinted.pop(instance, None)
         self._seen.pop(instance, None)
         self._chunk.pop(instance, None)
+        self._resolved.clear()
 
     def set_learned(self, instance: str, layout: InstanceLayout) -> None:
         """Adopt a layout another process learned (shared index readers)."""
@@ -102,6 +126,8 @@ class LayoutRegistry:
             self._changed(instance)
 
     def _changed(self, instance: str) -> None:
+        """A learned layout changed: forget resolved answers, then tell the router."""
+        self._resolved.clear()
         if self.on_change is not None:
             self.on_change(instance)
 

@@ -40,6 +40,12 @@ term and ``Decision.reason`` (min_cost, sticky, sampled). Ties are broken by the
 load, then at random -- never by list order, so idle cold traffic spreads out. An optional
 softmax temperature samples on the objective instead of taking the minimum.
 
+The ranking reads only the objective, a few operations per candidate. Each ``Breakdown``
+is worked out when first read (``Decision.breakdown`` is a lazy mapping: the chosen one's
+feeds the fit, the others only ``/debug/route`` and the dashboard), from what the decision
+saw: the candidate, its backlog as updated then, and the fits of that moment (``observe``
+replaces a fit rather than changing it in place).
+
 Baselines kept for benchmarks: ``round_robin``, ``least_loaded`` and ``prefix_full_only``
 (the cost policy fed by a scorer that ignores sliding-window and Mamba groups: what peer
 routers do today). Policies are pure (no I/O), so the simulator uses them unchanged.
@@ -51,7 +57,7 @@ import itertools
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -59,6 +65,7 @@ from router.cost_model import Backlog, TtftFit
 
 __all__ = [
     "POLICIES",
+    "Breakdown",
     "Candidate",
     "CostPolicy",
     "CostRates",
@@ -128,7 +135,8 @@ class Breakdown(NamedTuple):
 class Decision:
     instance: str
     ranked: list[str]  # the chosen one first, then fallbacks for retries
-    breakdown: dict[str, Breakdown] = field(default_factory=dict)
+    # Predicted TTFT terms per candidate (the cost policy's is lazy: ``_Breakdowns``).
+    breakdown: Mapping[str, Breakdown] = field(default_factory=dict)
     reason: str = ""  # why the first one (cost policy): "min_cost", "sticky", ...
 
 
@@ -252,104 +260,109 @@ class CostPolicy(Policy):
         best_hit: int = 0,
         exponent: float | None = None,
     ) -> Breakdown:
-        r = self.defaults
+        """One candidate's terms as a decision at ``now`` works them out (it updates the
+        candidate's backlog; ``choose`` does the same update, then these terms lazily)."""
         m = self.models.get(c.name) or self.model(c.name)
-        fixed, k, per_request = m.fit.blended(self.fleet)
-        rate = r.prefill_s_per_token
+        k = m.fit.blended(self.fleet)[1]
+        rate = self.defaults.prefill_s_per_token
         backlog = m.backlog.update(now, c.inflight_prefill_tokens, 1.0 / (k * rate))
-        cached = c.gpu_tokens + c.cpu_tokens
-        if cached > num_prompt_tokens:
-            cached = num_prompt_tokens
-        # the last token is always computed
-        uncached = num_prompt_tokens - cached if num_prompt_tokens - cached > 1 else 1
-        # engine_waiting counts our own in-flight requests too: only the rest is extra.
+        credited = self.credited(c, num_prompt_tokens, best_hit)
+        # The ranking: fleet-scaled seconds of prefill this choice spends, stretched by
+        # the requests it shares the engine with (module docstring).
+        effective = num_prompt_tokens - credited if num_prompt_tokens - credited > 1 else 1
         others = c.engine_waiting - c.inflight_requests
         if others < 0:
             others = 0
-        queue = backlog * rate + others * r.request_overhead_s
-        prefill = uncached * rate
-        load = (c.cpu_tokens if c.cpu_tokens < cached else cached) * r.load_s_per_token
-        steps = math.ceil((backlog + uncached) / r.step_tokens)
-        per_step = r.step_s
-        if c.running_requests:
-            per_step += r.decode_step_s + c.running_requests * r.decode_s_per_seq
-        decode = steps * per_step
-        raw = queue + prefill + load + decode
-        requests = c.inflight_requests + c.running_requests  # what the fit's wait term scales
-        # The ranking: fleet-scaled seconds of prefill this choice spends, stretched by
-        # the requests it shares the engine with (module docstring).
-        credited = self.credited(c, num_prompt_tokens, best_hit)
-        effective = num_prompt_tokens - credited if num_prompt_tokens - credited > 1 else 1
         if exponent is None:
             exponent = self.exponent(num_prompt_tokens, best_hit)
-        stretch = (1 + requests + others) ** exponent
+        stretch = (1 + c.inflight_requests + c.running_requests + others) ** exponent
         objective = self.fleet.scale * effective * rate * stretch
-        return _new(
-            Breakdown,
-            (
-                k * queue,
-                k * prefill,
-                k * load,
-                k * decode,
-                fixed,
-                per_request * requests,
-                raw,
-                requests,
-                objective,
-                cached,
-                credited,
-            ),
+        return _terms(
+            self.defaults, m.fit, self.fleet, c, num_prompt_tokens, backlog, objective, credited
         )
 
     def choose(self, candidates: Sequence[Candidate], num_prompt_tokens: int) -> Decision:
         now = self.clock()
+        n = num_prompt_tokens
         best_hit = 0
         for c in candidates:
             hit = c.gpu_tokens + c.cpu_tokens
             if hit > best_hit:
                 best_hit = hit
-        best_hit = min(best_hit, num_prompt_tokens)
+        best_hit = min(best_hit, n)
         shuffled = list(candidates)
         self._rng.shuffle(shuffled)  # ties: random, never list order
-        breakdown, parts = self.breakdown, {}
-        exponent = self.exponent(num_prompt_tokens, best_hit)
+        models, fleet = self.models, self.fleet
+        rate = self.defaults.prefill_s_per_token
+        scale, junction = fleet.scale, self.junction_credit
+        exponent = self.exponent(n, best_hit)
+        # Per candidate only what the ranking reads (``breakdown``'s objective, inlined:
+        # this loop runs per instance per decision) and the backlog update, which must
+        # happen now; the rest of its ``Breakdown`` is worked out when read.
+        inputs: dict[str, tuple[Candidate, float, TtftFit, float, int]] = {}
         keys = []
-        for c in shuffled:
-            part = parts[c.name] = breakdown(c, num_prompt_tokens, now, best_hit, exponent)
-            keys.append((round(part.objective_s or 0.0, 12), *_load_key(c)))
-        # sorted() is stable: equal keys keep the shuffled order.
-        ranked_c = [shuffled[i] for i in sorted(range(len(keys)), key=keys.__getitem__)]
-        ranked = [c.name for c in ranked_c]
+        rounded: dict[float, float] = {}
+        for i, c in enumerate(shuffled):
+            name, gpu, cpu, requests, inflight, running, waiting, full = c  # every field
+            m = models.get(name) or self.model(name)
+            fit, backlog = m.fit, m.backlog
+            if backlog.tokens == 0.0 and inflight == backlog.seen_inflight and inflight >= 0:
+                queued = 0.0  # idle: ``Backlog.update`` would change nothing that is read
+            else:
+                queued = backlog.update(now, inflight, 1.0 / (fit.blended(fleet)[1] * rate))
+            cached = gpu + cpu
+            if cached > n:
+                cached = n
+            if full > n:
+                full = n
+            extra = full - (cached if cached > best_hit else best_hit)
+            credited = cached + int(junction * extra) if extra > 0 else cached  # credited()
+            effective = n - credited if n - credited > 1 else 1
+            others = waiting - requests
+            if others < 0:
+                others = 0
+            objective = scale * effective * rate * (1 + requests + running + others) ** exponent
+            inputs[name] = (c, queued, fit, objective, credited)
+            # The ranking key: the objective to 12 digits (round() formats the float: once
+            # per distinct value), then load (``_load_key``), then the shuffled order.
+            key = rounded.get(objective)
+            if key is None:
+                key = rounded[objective] = round(objective, 12)
+            keys.append((key, inflight, requests + waiting, running, i))
+        keys.sort()
+        ranked = [shuffled[k[4]].name for k in keys]
         reason = "min_cost"
         if self.temperature > 0 and len(ranked) > 1:
-            best = parts[ranked[0]].objective_s or 0.0
-            weights = [
-                math.exp(-((parts[n].objective_s or 0.0) - best) / self.temperature) for n in ranked
-            ]
+            best = inputs[ranked[0]][3]
+            weights = [math.exp(-(inputs[name][3] - best) / self.temperature) for name in ranked]
             pick = self._rng.choices(ranked, weights)[0]
             ranked.remove(pick)
             ranked.insert(0, pick)
             reason = "sampled"
         else:
-            holder = self._sticky(ranked, parts, num_prompt_tokens)
+            holder = self._sticky(ranked, inputs, n)
             if holder is not None and holder != ranked[0]:
                 ranked.remove(holder)
                 ranked.insert(0, holder)
                 reason = "sticky"
+        parts = _Breakdowns(self.defaults, fleet, n, inputs)
         return Decision(ranked[0], ranked, parts, reason)
 
     def _sticky(
-        self, ranked: list[str], parts: dict[str, Breakdown], num_prompt_tokens: int
+        self,
+        ranked: list[str],
+        inputs: dict[str, tuple[Candidate, float, TtftFit, float, int]],
+        num_prompt_tokens: int,
     ) -> str | None:
         """Hysteresis: the holder of the longest credited prefix keeps the request while
         its objective is within ``1 + stick_margin`` times the best alternative's."""
-        credits = [parts[name].credited_tokens for name in ranked]
+        credits = [inputs[name][4] for name in ranked]
         credit = max(credits)
         holder = ranked[credits.index(credit)]  # the first of equals: the better-ranked
         if credit <= 0 or credit < self.min_sticky_fraction * num_prompt_tokens:
             return None
-        best = parts[ranked[0]].objective_s or 0.0
-        if (parts[holder].objective_s or 0.0) <= (1 + self.stick_margin) * best:
+        best = inputs[ranked[0]][3]
+        if inputs[holder][3] <= (1 + self.stick_margin) * best:
             return holder
         return None
 
@@ -360,8 +373,99 @@ class CostPolicy(Policy):
             raw, requests = predicted.raw_s, predicted.requests
         else:
             raw, requests = float(predicted), 0
-        self.model(instance).fit.add(raw, observed_ttft_s, requests)
-        self.fleet.add(raw, observed_ttft_s, requests)
+        # New fit objects, not changed in place: decisions already made read theirs.
+        m = self.model(instance)
+        m.fit = m.fit.added(raw, observed_ttft_s, requests)
+        self.fleet = self.fleet.added(raw, observed_ttft_s, requests)
+
+
+def _terms(
+    r: CostRates,
+    fit: TtftFit,
+    fleet: TtftFit,
+    c: Candidate,
+    num_prompt_tokens: int,
+    backlog: float,
+    objective: float,
+    credited: int,
+) -> Breakdown:
+    """A candidate's predicted TTFT terms from its backlog and fit as of the decision."""
+    fixed, k, per_request = fit.blended(fleet)
+    rate = r.prefill_s_per_token
+    cached = c.gpu_tokens + c.cpu_tokens
+    if cached > num_prompt_tokens:
+        cached = num_prompt_tokens
+    # the last token is always computed
+    uncached = num_prompt_tokens - cached if num_prompt_tokens - cached > 1 else 1
+    # engine_waiting counts our own in-flight requests too: only the rest is extra.
+    others = c.engine_waiting - c.inflight_requests
+    if others < 0:
+        others = 0
+    queue = backlog * rate + others * r.request_overhead_s
+    prefill = uncached * rate
+    load = (c.cpu_tokens if c.cpu_tokens < cached else cached) * r.load_s_per_token
+    steps = math.ceil((backlog + uncached) / r.step_tokens)
+    per_step = r.step_s
+    if c.running_requests:
+        per_step += r.decode_step_s + c.running_requests * r.decode_s_per_seq
+    decode = steps * per_step
+    raw = queue + prefill + load + decode
+    requests = c.inflight_requests + c.running_requests  # what the fit's wait term scales
+    return _new(
+        Breakdown,
+        (
+            k * queue,
+            k * prefill,
+            k * load,
+            k * decode,
+            fixed,
+            per_request * requests,
+            raw,
+            requests,
+            objective,
+            cached,
+            credited,
+        ),
+    )
+
+
+class _Breakdowns(Mapping[str, Breakdown]):
+    """``Decision.breakdown`` of the cost policy: each candidate's ``Breakdown`` worked out
+    on first read, from what the decision saw (candidate, backlog value, fit objects,
+    objective and credit). Most decisions read only the chosen one's, once."""
+
+    __slots__ = ("_done", "_fleet", "_inputs", "_n", "_rates")
+
+    def __init__(
+        self,
+        rates: CostRates,
+        fleet: TtftFit,
+        num_prompt_tokens: int,
+        inputs: dict[str, tuple[Candidate, float, TtftFit, float, int]],
+    ) -> None:
+        self._rates, self._fleet, self._n, self._inputs = rates, fleet, num_prompt_tokens, inputs
+        self._done: dict[str, Breakdown] = {}
+
+    def __getitem__(self, name: str) -> Breakdown:
+        part = self._done.get(name)
+        if part is None:
+            c, backlog, fit, objective, credited = self._inputs[name]
+            part = self._done[name] = _terms(
+                self._rates, fit, self._fleet, c, self._n, backlog, objective, credited
+            )
+        return part
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._inputs
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._inputs)
+
+    def __len__(self) -> int:
+        return len(self._inputs)
+
+    def __repr__(self) -> str:
+        return f"_Breakdowns({dict(self)!r})"
 
 
 POLICIES = ("cost", "round_robin", "least_loaded", "prefix_full_only")

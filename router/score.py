@@ -207,7 +207,7 @@ class Scorer:
             if layout is None or not res:
                 out[name] = ZERO
                 continue
-            key = (id(layout), *res.items())
+            key = (id(layout), *res, *res.values())  # slots, then their masks
             score = memo.get(key)
             if score is None:
                 plan = self._plan(layout)

@@ -158,3 +158,71 @@ def test_an_instance_that_kept_its_window_blocks_wins_a_one_off_request():
     # A conversation's home: its full prefix counts beyond what others hold now.
     home = Candidate("home", gpu_tokens=1000, full_tokens=3000)
     assert p.credited(home, 4000, best_hit=1000) == 3000
+
+
+def _eager_choose(p: CostPolicy, cands: list[Candidate], n: int) -> tuple[list[str], str, dict]:
+    """The ranking as it was before ``choose`` went lazy: every candidate's ``Breakdown``
+    at decision time, ranked by its objective, then load; stickiness on its credit."""
+    now = p.clock()
+    best_hit = min(max(c.gpu_tokens + c.cpu_tokens for c in cands), n)
+    shuffled = list(cands)
+    p._rng.shuffle(shuffled)
+    parts = {c.name: p.breakdown(c, n, now, best_hit) for c in shuffled}
+    keys = [
+        (round(parts[c.name].objective_s, 12), c.inflight_prefill_tokens,
+         c.inflight_requests + c.engine_waiting, c.running_requests)
+        for c in shuffled
+    ]  # fmt: skip
+    ranked = [shuffled[i].name for i in sorted(range(len(keys)), key=keys.__getitem__)]
+    credits = [parts[name].credited_tokens for name in ranked]
+    holder = ranked[credits.index(max(credits))]
+    best = parts[ranked[0]].objective_s
+    if (
+        max(credits) > 0
+        and max(credits) >= p.min_sticky_fraction * n
+        and parts[holder].objective_s <= (1 + p.stick_margin) * best
+        and holder != ranked[0]
+    ):
+        ranked.remove(holder)
+        return [holder, *ranked], "sticky", parts
+    return ranked, "min_cost", parts
+
+
+def test_lazy_breakdowns_equal_the_eager_ones_for_every_candidate():
+    # ``choose`` ranks on the objective alone and works out each Breakdown when read. Same
+    # ranking, reasons and terms as computing them all at decision time -- also when read
+    # long after, once later observations have moved the fits and backlogs on.
+    lazy_clock, eager_clock = Clock(), Clock()
+    lazy, eager = policy(clock=lazy_clock), policy(clock=eager_clock)
+    draw = random.Random(1)
+    held = []
+    for _ in range(200):
+        cands = []
+        for k in range(6):
+            inflight = draw.choice((0, 0, 1, 3))
+            cands.append(
+                Candidate(
+                    f"i{k}",
+                    gpu_tokens=draw.choice((0, 0, 512, 2048)),
+                    cpu_tokens=draw.choice((0, 256)),
+                    inflight_requests=inflight,
+                    inflight_prefill_tokens=draw.choice((0, 1500, 6000)) if inflight else 0,
+                    running_requests=draw.choice((0, 0, 2, 5)),
+                    engine_waiting=draw.choice((0, 0, 1, 4)),
+                    full_tokens=draw.choice((0, 0, 3000)),
+                )
+            )
+        n = draw.choice((1, 800, 4000))
+        d = lazy.choose(cands, n)
+        ranked, reason, parts = _eager_choose(eager, cands, n)
+        assert (d.ranked, d.reason, d.instance) == (ranked, reason, ranked[0])
+        assert set(d.breakdown) == set(parts) and len(d.breakdown) == len(parts)
+        held.append((d, parts))
+        # the chosen one's prediction fed back, as the proxy does at its first byte
+        ttft = parts[d.instance].ttft_s * draw.uniform(0.2, 3.0)
+        lazy.observe(d.instance, d.breakdown[d.instance], ttft)
+        eager.observe(d.instance, parts[d.instance], ttft)
+        lazy_clock.t = eager_clock.t = lazy_clock.t + draw.choice((0.0, 0.01, 0.2))
+    for d, parts in held:
+        assert {name: d.breakdown[name] for name in parts} == parts
+        assert d.breakdown.get("absent") is None and "absent" not in d.breakdown

@@ -30,11 +30,17 @@ def model_lookup(model, hashes, instances):
     return out
 
 
-@pytest.mark.parametrize("run_bits_max", [2048, 0], ids=["runs", "transpose"])
-async def test_lookup_equals_a_naive_model_of_residency(index, run_bits_max, monkeypatch):
+@pytest.mark.parametrize("path", ["runs", "transpose", "native"])
+async def test_lookup_equals_a_naive_model_of_residency(index, path, monkeypatch):
     """The memory index ORs runs of one holder set, or transposes with numpy when
-    residency is fragmented (``_RUN_BITS_MAX``): both ways, the model's answer."""
-    monkeypatch.setattr(memory, "_RUN_BITS_MAX", run_bits_max)
+    residency is fragmented (``_RUN_BITS_MAX``), or does the runs in C where
+    ``events._native`` is built: every way, the model's answer."""
+    if path == "native":
+        if memory._column_masks is None:
+            pytest.skip("events._native.column_masks is not built (or KVROUTE_NO_NATIVE)")
+    else:
+        monkeypatch.setattr(memory, "_column_masks", None)
+        monkeypatch.setattr(memory, "_RUN_BITS_MAX", 2048 if path == "runs" else 0)
     rng = random.Random(7)
     model: dict[str, dict[int, Counter]] = {}
     for step in range(160):

@@ -208,6 +208,31 @@ def test_configured_layout_wins_over_learned_and_chunk_size_is_learned():
     assert got is not None and got.tokens_per_chunk is None
 
 
+def test_layout_answers_follow_every_change_of_the_registry():
+    # ``get`` remembers its answers (it runs per candidate per decision): each way a
+    # layout changes must show in the next answer.
+    reg = LayoutRegistry()
+    assert reg.get("a") is None
+    reg.default = FULL
+    assert reg.get("a") is FULL
+    reg.hint_block_size("a", 32)
+    hinted = reg.get("a")
+    assert hinted is not None and hinted.hash_block_size == 32
+    assert reg.observe("a", batch(stored([1], 0, kind="full_attention", block_size=64)))
+    learned = reg.get("a")
+    assert learned is not None and learned.hash_block_size == 64
+    reg.configure("a", SWA)
+    assert reg.get("a") is SWA
+    reg.configure("a", None)
+    assert reg.get("a") == learned
+    reg.set_learned("a", MAMBA)
+    assert reg.get("a") is MAMBA
+    reg.forget("a")
+    assert reg.get("a") is FULL
+    reg.default = None
+    assert reg.get("a") is None
+
+
 def test_layout_round_trips_through_its_dict_form():
     for layout in (FULL, SWA, MAMBA):
         assert InstanceLayout.from_dict(layout.to_dict()) == layout
@@ -237,6 +262,7 @@ async def test_a_reader_router_adopts_layouts_the_ingester_shared(make_index):
     await mgr.add_instance("e1", "tcp://x:1")
     await mgr.wait_for_seq("e1", 0)
     reader = LayoutRegistry()
+    assert reader.get("e1") is None  # asked before the layout is shared
     assert await reader.refresh_from(reader_index) == 1
     assert reader.get("e1") == InstanceLayout(SWA.groups)
     scores = await Scorer(reader_index, reader).score([1, 2, 3], 48)
