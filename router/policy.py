@@ -59,9 +59,9 @@ import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from router.cost_model import Backlog, TtftFit
+from router.policy_base import Breakdown, Candidate, CostRates, Decision, Policy
 
 __all__ = [
     "POLICIES",
@@ -77,81 +77,7 @@ __all__ = [
 ]
 
 
-class Candidate(NamedTuple):
-    """One healthy instance as the policy sees it. A NamedTuple (immutable, like the frozen
-    dataclass it was) because a decision builds one per instance: ~4x cheaper."""
-
-    name: str
-    gpu_tokens: int = 0  # predicted GPU prefix hit
-    cpu_tokens: int = 0  # predicted extension loadable from the CPU tier
-    inflight_requests: int = 0  # router-side: sent, first byte not yet back
-    inflight_prefill_tokens: int = 0  # router-side: uncached tokens of those requests
-    running_requests: int = 0  # router-side: streams not finished yet
-    engine_waiting: int = 0  # engine-reported queue (from /metrics), when known
-    # The longer GPU prefix full attention alone holds there, when a sliding-window or
-    # Mamba group cut the hit short (``Score.junction_tokens``; 0: none): where the
-    # conversation lives, though this request recomputes past ``gpu_tokens``.
-    full_tokens: int = 0
-
-
-@dataclass(slots=True)
-class CostRates:
-    """Raw seconds per unit before the per-instance fit (``TtftFit``) scales them. The
-    defaults are an 8B-class model on one H100 (the simulated engine's timing model)."""
-
-    prefill_s_per_token: float = 1e-4
-    load_s_per_token: float = 7e-6
-    request_overhead_s: float = 0.005
-    step_s: float = 0.004  # per engine step
-    decode_step_s: float = 0.012  # per step with decode streams running
-    decode_s_per_seq: float = 2.5e-4  # per running stream per step
-    step_tokens: int = 4096  # prefill tokens per step (max_num_batched_tokens)
-
-
-class Breakdown(NamedTuple):
-    """Predicted TTFT terms for one candidate, in calibrated seconds (a NamedTuple, as
-    ``Candidate``: one per instance per decision)."""
-
-    queue_s: float
-    prefill_s: float
-    load_s: float
-    decode_s: float = 0.0  # prefill steps stretched by the decode streams running
-    fixed_s: float = 0.0  # fitted fixed term (HTTP, tokenization, scheduling)
-    wait_s: float = 0.0  # fitted wait per request already there (admission, memory)
-    raw_s: float = 0.0  # the uncalibrated work prediction the fit learns from
-    requests: int = 0  # router requests on the instance at decision time (fit feature)
-    objective_s: float | None = None  # TTFT + fleet terms: what the ranking minimises
-    cached_tokens: int = 0
-    credited_tokens: int = 0  # what the ranking credits (``CostPolicy.credited``)
-
-    @property
-    def ttft_s(self) -> float:
-        return (
-            self.queue_s + self.prefill_s + self.load_s + self.decode_s + self.fixed_s + self.wait_s
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    instance: str
-    ranked: list[str]  # the chosen one first, then fallbacks for retries
-    # Predicted TTFT terms per candidate (the cost policy's is lazy: ``_Breakdowns``).
-    breakdown: Mapping[str, Breakdown] = field(default_factory=dict)
-    reason: str = ""  # why the first one (cost policy): "min_cost", "sticky", ...
-
-
 _new = tuple.__new__  # a NamedTuple from a tuple, without its Python-level __new__
-
-
-class Policy:
-    name = "base"
-    uses_scores = True
-
-    def choose(self, candidates: Sequence[Candidate], num_prompt_tokens: int) -> Decision:
-        raise NotImplementedError
-
-    def observe(self, instance: str, predicted: Breakdown | float, observed_ttft_s: float) -> None:
-        """Feedback after a request's first byte (only the cost policy learns from it)."""
 
 
 def _load_key(c: Candidate) -> tuple[int, int, int]:
