@@ -30,6 +30,13 @@ __all__ = ["RouteDecision", "Router"]
 
 _new = tuple.__new__
 
+
+def _busy(inst: Instance) -> int:
+    """Requests the router has on ``inst``: remote tokenization goes to the least busy
+    instance, not always the first (one API server tokenizing for the whole fleet)."""
+    return inst.inflight_requests + inst.running_requests
+
+
 log = logging.getLogger(__name__)
 
 
@@ -119,7 +126,11 @@ class Router:
         healthy = list(instances) if instances is not None else self.registry.healthy()
         if not healthy:
             return None
-        ids = await self.tokenizer.prompt_ids(body, kind, healthy[0].http_url)
+        if self.tokenizer.remote:  # the least busy API server of the pool tokenizes
+            at = min(healthy, key=_busy).http_url if len(healthy) > 1 else healthy[0].http_url
+        else:
+            at = None
+        ids = await self.tokenizer.prompt_ids(body, kind, at)
         m = self.metrics
         t_hash = time.perf_counter()
         m.stage_tokenize.observe(t_hash - t0)

@@ -11,6 +11,8 @@ import time
 import uuid
 
 from events.structs import BlockRemoved, BlockStored, KVEventBatch
+from router.config import InstanceSpec
+from router.instances import Instance
 from stack.procs import free_port
 
 __all__ = [
@@ -121,6 +123,16 @@ class PlayedSource:
     async def close(self) -> None:
         self.items.clear()
         self._closed.set()
+
+
+class StaticRegistry:
+    """``InstanceRegistry``'s ``healthy()`` over fixed instances (no probing)."""
+
+    def __init__(self, *urls: str) -> None:
+        self.instances = [Instance(InstanceSpec(u)) for u in urls]
+
+    def healthy(self) -> list[Instance]:
+        return list(self.instances)
 
 
 class ScriptedUpstream:

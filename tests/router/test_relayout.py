@@ -14,20 +14,11 @@ from __future__ import annotations
 from router.build import build_router
 from router.config import RouterSettings
 from router.index.memory import MemoryIndex
-from router.instances import Instance, InstanceSpec
 from router.layout import InstanceLayout, LayoutRegistry
-from tests.routerkit import batch, stored
+from tests.routerkit import StaticRegistry, batch, stored
 
 BS = 32  # vLLM's CPU block size; the tiny Gemma-3-like model: 5 windows of 64 + full
 TURN = "".join(chr(65 + (i * 7) % 26) for i in range(1400))
-
-
-class Registry:
-    def __init__(self, *names: str) -> None:
-        self.instances = [Instance(InstanceSpec(n)) for n in names]
-
-    def healthy(self) -> list[Instance]:
-        return list(self.instances)
 
 
 def gemma_events(bs: int = BS) -> list:
@@ -39,7 +30,9 @@ def gemma_events(bs: int = BS) -> list:
 def setup() -> tuple[LayoutRegistry, object]:
     layouts = LayoutRegistry(default=InstanceLayout.full(BS))
     settings = RouterSettings(policy="cost", block_size=BS, tokenizer="byte")
-    router = build_router(settings, index=MemoryIndex(), layouts=layouts, registry=Registry("a"))
+    router = build_router(
+        settings, index=MemoryIndex(), layouts=layouts, registry=StaticRegistry("a")
+    )
     return layouts, router
 
 
