@@ -93,9 +93,11 @@ class Router:
     seed: str | None
     affinity: SessionAffinity | None = None
     prompt_hashes: PromptHashes = field(init=False)
-    # instance -> id(decision) -> (decision, the layout its speculative entries assumed),
-    # while the request is in flight: re-recorded when the instance's layout changes.
-    _recorded: dict[str, dict[int, tuple[RouteDecision, Any]]] = field(
+    # instance -> id(decision) -> (decision, the layout its speculative entries assumed,
+    # when they expire), in recording order, while the request is in flight: re-recorded
+    # when the instance's layout changes. Expired ones are dropped as new ones come (a
+    # decision that was never forwarded is never settled).
+    _recorded: dict[str, dict[int, tuple[RouteDecision, Any, float]]] = field(
         init=False, default_factory=dict
     )
 
@@ -251,7 +253,14 @@ class Router:
                 positions = positions[: bisect_left(positions, n)]
             per_group[g] = list(map(take, positions))
         decision.speculative_held[instance] = self.speculative.record(instance, per_group)
-        self._recorded.setdefault(instance, {})[id(decision)] = (decision, layout)
+        recorded = self._recorded.setdefault(instance, {})
+        now = self.speculative.now()
+        while recorded:
+            oldest = next(iter(recorded))
+            if recorded[oldest][2] > now:
+                break
+            del recorded[oldest]
+        recorded[id(decision)] = (decision, layout, now + self.speculative.ttl_s)
 
     def settled(self, decision: RouteDecision, instance: str) -> None:
         """The routed request ended: its events are published; the index takes over at
@@ -276,7 +285,7 @@ class Router:
         if not recorded or layout is None:
             return
         size = layout.hash_block_size
-        for decision, assumed in list(recorded.values()):
+        for decision, assumed, _ in list(recorded.values()):
             if assumed == layout:
                 continue
             del recorded[id(decision)]

@@ -92,6 +92,10 @@ class SpeculativeResidency:
         self._expiries: deque[tuple[float, str, list[int]]] = deque()
         self._unexpired: set[int] = set()  # id() of the hash lists still in _expiries
 
+    def now(self) -> float:
+        """The clock entries expire by."""
+        return self._clock()
+
     def record(self, instance: str, held: Mapping[int, Iterable[int]]) -> list[int]:
         """``held``: group_idx -> wire hashes that group will cache on ``instance``.
         Returns the hashes recorded, to :meth:`release` when the request ends."""

@@ -77,3 +77,17 @@ def test_layout_changes_are_announced_once() -> None:
     layouts.set_learned("b", layouts.get("a"))  # type: ignore[arg-type]
     layouts.set_learned("b", layouts.get("a"))  # type: ignore[arg-type]
     assert seen == ["a", "b"]
+
+
+async def test_a_decision_never_forwarded_is_not_kept_past_its_ttl() -> None:
+    """Recorded at decision time but never settled (the client left before forwarding):
+    dropped once its speculative entries expire, when the next one is recorded."""
+    t = [0.0]
+    layouts = LayoutRegistry(default=InstanceLayout.full(BS))
+    settings = RouterSettings(policy="cost", block_size=BS, tokenizer="byte")
+    router = build_router(settings, index=MemoryIndex(), layouts=layouts,
+                          registry=StaticRegistry("a"), clock=lambda: t[0])  # fmt: skip
+    for i in range(50):
+        await router.decide({"prompt": f"{i} {TURN}"}, "completion")
+        t[0] += settings.speculative_ttl_s / 4
+    assert len(router._recorded["a"]) <= 5
