@@ -142,8 +142,10 @@ def _reason(
     hit_c, hit_r = c.gpu_tokens + c.cpu_tokens, r.gpu_tokens + r.cpu_tokens
     if part is None or rpart is None:
         return f"{policy}"
-    if round(part.ttft_s, 9) > round(rpart.ttft_s, 9):
-        return "sampled (temperature): not the lowest predicted TTFT"
+    if dec.reason == "sampled":
+        return "sampled (temperature): not the lowest objective"
+    # The ranking is by objective (prefill spent x load stretch), not by predicted TTFT: a
+    # holder kept for its cache can predict a longer TTFT than the runner-up.
     dq = (part.queue_s - rpart.queue_s) * 1e3
     if hit_c > hit_r:
         tier = " (incl. CPU)" if c.cpu_tokens else ""
@@ -156,7 +158,9 @@ def _reason(
         )
     if round(part.ttft_s, 9) == round(rpart.ttft_s, 9):
         return "tie: same hit and predicted TTFT; least load, then at random"
-    return f"lower queue: {-dq:.0f} ms less than the runner-up (same hit)"
+    if dq <= 0:
+        return f"lower queue: {-dq:.0f} ms less than the runner-up (same hit)"
+    return "lower load: fewer requests share its engine than the runner-up's (same hit)"
 
 
 def _layout(state: RouterState, url: str) -> dict[str, Any]:

@@ -62,10 +62,13 @@ vllm:num_requests_waiting_other 9.0
     assert parse_engine_metrics(b"") == {}
 
 
-def _decision(cands: list[Candidate], parts: dict[str, Breakdown], *, index_ok=True):
-    ranked = sorted(parts, key=lambda n: parts[n].ttft_s) if parts else [c.name for c in cands]
+def _decision(
+    cands: list[Candidate], parts: dict[str, Breakdown], *, index_ok=True, ranked=None, reason=""
+):
+    if ranked is None:
+        ranked = sorted(parts, key=lambda n: parts[n].ttft_s) if parts else [c.name for c in cands]
     return RouteDecision(
-        Decision(ranked[0], ranked, parts),
+        Decision(ranked[0], ranked, parts, reason),
         prompt_tokens=1000,
         hashes={16: []},
         hash_size={},
@@ -111,6 +114,26 @@ def test_reasons_name_what_decided():
         [Candidate(a), Candidate(b)], {a: Breakdown(0.001, 0.1, 0), b: Breakdown(0.01, 0.1, 0)}
     )
     assert _reason(queue) == "lower queue: 9 ms less than the runner-up (same hit)"
+    # Kept for its cache with a longer predicted TTFT than the runner-up (the ranking is
+    # by objective): a prefix hit, not a sample.
+    held = _decision(
+        [Candidate(a, gpu_tokens=900), Candidate(b)],
+        {a: Breakdown(0.3, 0.01, 0), b: Breakdown(0.0, 0.1, 0)},
+        ranked=[a, b], reason="sticky",
+    )  # fmt: skip
+    assert _reason(held) == (
+        "prefix hit: 900 cached tokens vs 0 on the runner-up, despite a 300 ms longer queue"
+    )
+    sampled = _decision(
+        [Candidate(a), Candidate(b)], {a: Breakdown(0, 0.2, 0), b: Breakdown(0, 0.1, 0)},
+        ranked=[a, b], reason="sampled",
+    )  # fmt: skip
+    assert _reason(sampled).startswith("sampled (temperature)")
+    busier = _decision(
+        [Candidate(a), Candidate(b)], {a: Breakdown(0.02, 0.1, 0), b: Breakdown(0.01, 0.1, 0)},
+        ranked=[a, b], reason="min_cost",
+    )  # fmt: skip
+    assert _reason(busier).startswith("lower load:")
     only = _decision([Candidate(a)], {a: Breakdown(0, 0.1, 0)})
     assert _reason(only) == "only healthy instance"
     down = _decision(
