@@ -67,11 +67,17 @@ def browser():
 
 
 def _until(driver, cond, timeout: float = 20.0, what: str = "condition"):
+    """Wait for ``cond``; an element the live page re-rendered meanwhile (stale) or has
+    not rendered yet is looked up again at the next poll."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout, poll_frequency=0.1).until(
-        lambda d: cond(d), message=f"timed out waiting for {what}"
-    )
+    return WebDriverWait(
+        driver,
+        timeout,
+        poll_frequency=0.1,
+        ignored_exceptions=(NoSuchElementException, StaleElementReferenceException),
+    ).until(lambda d: cond(d), message=f"timed out waiting for {what}")
 
 
 def _text(driver, css: str) -> str:
@@ -90,8 +96,15 @@ def test_dashboard_renders_every_instance_and_updates_live(browser, tmp_path: Pa
             t0 = time.perf_counter()
             browser.get(f"{router.url}/dashboard")
             load_s = time.perf_counter() - t0
-            rows = browser.find_elements(By.CSS_SELECTOR, "#t-instances tr[data-k]")
-            assert {r.get_attribute("data-k") for r in rows} == {e.url for e in engs}
+            names = _until(
+                browser,
+                lambda d: {
+                    r.get_attribute("data-k")
+                    for r in d.find_elements(By.CSS_SELECTOR, "#t-instances tr[data-k]")
+                },
+                what="the instance rows",
+            )
+            assert names == {e.url for e in engs}
             assert "kvroute" in browser.title
             # The script took over: it polled the JSON state and re-rendered, live.
             _until(
@@ -114,16 +127,22 @@ def test_dashboard_renders_every_instance_and_updates_live(browser, tmp_path: Pa
                 browser,
                 lambda d: (
                     len(rows := d.find_elements(By.CSS_SELECTOR, "#t-decisions tr[data-k]")) == 3
-                    and rows
+                    and [r.text for r in rows]  # read in the same poll: rows are re-rendered
                 ),
                 what="three decisions",
             )
-            newest = decisions[0].text
+            newest = decisions[0]
             assert holder.split("//")[1] in newest and "prefix hit" in newest
-            served = browser.find_element(
-                By.CSS_SELECTOR, f'#t-instances tr[data-k="{holder}"] td:nth-child(3)'
+            served = _until(
+                browser,
+                lambda d: (
+                    d.find_element(
+                        By.CSS_SELECTOR, f'#t-instances tr[data-k="{holder}"] td:nth-child(3)'
+                    ).text
+                ),
+                what="the holder's served count",
             )
-            assert served.text == "3"
+            assert served == "3"
             # The index's residency reached the page: the holder holds blocks.
             _until(
                 browser,
