@@ -275,11 +275,11 @@ class Router:
     def relayout(self, instance: str) -> None:
         """``instance``'s layout changed (its first events taught its groups): what was
         predicted for its requests in flight assumed the old one -- before an engine's
-        first events, the default (full attention alone), which credits a hybrid's
-        sliding-window and Mamba groups with every block, so every next request scores
-        no hit there and leaves; and the block size vLLM chose (128 for the tiny Gemma-3
-        on CPU) may not be the one configured. Record them again as the new layout
-        retains them, hashed at its block size."""
+        first events, the default (full attention alone), which put every block in group
+        0 and none in a hybrid's other sliding-window or Mamba groups, so every next
+        request scored no hit there and left; and the block size vLLM chose (128 for the
+        tiny Gemma-3 on CPU) may not be the one configured. Record them again as the new
+        layout retains them, hashed at its block size."""
         recorded = self._recorded.get(instance)
         layout = self.scorer.layouts.get(instance)
         if not recorded or layout is None:
