@@ -25,13 +25,9 @@ import xxhash
 from events.cbor_chain import ChainJob, hash_cbor_chain, hash_chain_general
 from events.cbor_chain import canonical_cbor as _cbor
 from events.cbor_chain import sha256_digest as _sha256
+from events.native import native
 
-_native: Any = None
-if not os.environ.get("KVROUTE_NO_NATIVE"):
-    try:
-        from events import _native
-    except ImportError:  # not built (no compiler or OpenSSL headers): the Python path
-        _native = None
+_native: Any = native  # a module global, so tests can take the Python path
 
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 HASH_ALGOS: tuple[str, ...] = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")

@@ -20,13 +20,13 @@ was ~30 us of Python steps per (run, column) pair and per column. Same answer.
 from __future__ import annotations
 
 import heapq
-import os
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby, repeat
 from typing import Any
 
+from events.native import native
 from events.structs import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from router.index.base import (
     ApplyResult,
@@ -40,12 +40,8 @@ from router.index.base import (
 
 __all__ = ["MemoryIndex"]
 
-_column_masks: Any = None
-if not os.environ.get("KVROUTE_NO_NATIVE"):
-    try:
-        from events._native import column_masks as _column_masks
-    except ImportError:  # not built, or built before it had the function: the Python path
-        _column_masks = None
+# None where the extension is not built, is off, or was built before it had the function
+_column_masks: Any = getattr(native, "column_masks", None)
 
 _INTERN_MAX = 1 << 16
 # Lookups OR each run's positions into the columns of its holder set, a Python step per

@@ -1,0 +1,21 @@
+"""The optional C extension ``events._native``, loaded once for all its users (block
+hashing in ``events.hashing``, the memory index's lookup in ``router.index.memory``).
+
+It is built where a compiler and OpenSSL's headers are found (``pip install -e .``); where
+it is not, or ``KVROUTE_NO_NATIVE=1`` is set, ``native`` is None and every user takes its
+pure-Python path, which gives the same answers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["native"]
+
+native: Any = None
+if not os.environ.get("KVROUTE_NO_NATIVE"):
+    try:
+        from events import _native as native
+    except ImportError:  # not built (no compiler or OpenSSL headers): the Python paths
+        native = None
