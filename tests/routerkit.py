@@ -7,8 +7,11 @@ it are in ``tests/router/conftest.py``.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
+
+import pytest
 
 from events.structs import BlockRemoved, BlockStored, KVEventBatch
 from router.config import InstanceSpec
@@ -27,6 +30,17 @@ __all__ = [
     "removed",
     "stored",
 ]
+
+
+def need_native(loaded: bool, what: str) -> None:
+    """Skip a test of an optional native piece where it is not built, but fail where
+    ``scripts/test.sh`` says it must be (``KVROUTE_REQUIRE_NATIVE=1``: a compiler and
+    OpenSSL's headers were found), so a broken build is never a silent skip."""
+    if loaded:
+        return
+    if os.environ.get("KVROUTE_REQUIRE_NATIVE") == "1" and not os.environ.get("KVROUTE_NO_NATIVE"):
+        pytest.fail(f"{what} is not built: pip install -e . (needs cc + libssl-dev)")
+    pytest.skip(f"{what} is not built (or KVROUTE_NO_NATIVE is set)")
 
 
 def new_namespace() -> str:

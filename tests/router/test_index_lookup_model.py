@@ -9,7 +9,7 @@ import random
 from collections import Counter
 
 import pytest
-from routerkit import batch, removed, stored
+from routerkit import batch, need_native, removed, stored
 
 from events.structs import AllBlocksCleared
 from router.index import Tier, memory, slot_of
@@ -36,8 +36,7 @@ async def test_lookup_equals_a_naive_model_of_residency(index, path, monkeypatch
     residency is fragmented (``_RUN_BITS_MAX``), or does the runs in C where
     ``events._native`` is built: every way, the model's answer."""
     if path == "native":
-        if memory._column_masks is None:
-            pytest.skip("events._native.column_masks is not built (or KVROUTE_NO_NATIVE)")
+        need_native(memory._column_masks is not None, "events._native.column_masks")
     else:
         monkeypatch.setattr(memory, "_column_masks", None)
         monkeypatch.setattr(memory, "_RUN_BITS_MAX", 2048 if path == "runs" else 0)

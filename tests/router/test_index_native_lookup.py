@@ -8,15 +8,17 @@ from __future__ import annotations
 import random
 
 import pytest
-from routerkit import batch, removed, stored
+from routerkit import batch, need_native, removed, stored
 
 from router.index import memory
 from router.index.memory import MemoryIndex
 
-pytestmark = pytest.mark.skipif(
-    memory._column_masks is None,
-    reason="events._native.column_masks is not built (or KVROUTE_NO_NATIVE is set)",
-)
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    need_native(memory._column_masks is not None, "events._native.column_masks")
+
+
 MEDIA = ("GPU", "CPU")
 
 
