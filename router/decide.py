@@ -128,10 +128,8 @@ class Router:
         healthy = list(instances) if instances is not None else self.registry.healthy()
         if not healthy:
             return None
-        if self.tokenizer.remote:  # the least busy API server of the pool tokenizes
-            at = min(healthy, key=_busy).http_url if len(healthy) > 1 else healthy[0].http_url
-        else:
-            at = None
+        # remote: the least busy API server of the pool tokenizes
+        at = min(healthy, key=_busy).http_url if self.tokenizer.remote else None
         ids = await self.tokenizer.prompt_ids(body, kind, at)
         m = self.metrics
         t_hash = time.perf_counter()

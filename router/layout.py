@@ -119,11 +119,14 @@ class LayoutRegistry:
         self._chunk.pop(instance, None)
         self._resolved.clear()
 
-    def set_learned(self, instance: str, layout: InstanceLayout) -> None:
-        """Adopt a layout another process learned (shared index readers)."""
-        if self._learned.get(instance) != layout:
-            self._learned[instance] = layout
-            self._changed(instance)
+    def set_learned(self, instance: str, layout: InstanceLayout) -> bool:
+        """Adopt a layout another process learned (shared index readers); True if it
+        changed the instance's learned layout."""
+        if self._learned.get(instance) == layout:
+            return False
+        self._learned[instance] = layout
+        self._changed(instance)
+        return True
 
     def _changed(self, instance: str) -> None:
         """A learned layout changed: forget resolved answers, then tell the router."""
@@ -141,9 +144,7 @@ class LayoutRegistry:
             except (KeyError, TypeError, ValueError):
                 log.warning("instance %s: unreadable shared layout %r", name, raw)
                 continue
-            if self._learned.get(name) != layout:
-                self.set_learned(name, layout)
-                changed += 1
+            changed += self.set_learned(name, layout)
         return changed
 
     def observe(self, instance: str, batch: KVEventBatch) -> bool:

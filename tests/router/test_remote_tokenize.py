@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 
 import httpx
+from routerkit import ScriptedUpstream, StaticRegistry
 
 from router.build import build_router
 from router.config import RouterSettings
 from router.index.memory import MemoryIndex
 from router.layout import LayoutRegistry
 from router.tokenize import RoutingTokenizer
-from tests.routerkit import ScriptedUpstream, StaticRegistry
 
 PROMPT = "a prompt long enough to hash a few blocks " * 8
 
