@@ -24,13 +24,14 @@ def _command(name: str) -> str:
     return shlex.join(["kvroute", "bench", name, *rest])
 
 
-def _routers(text: str) -> list[str]:
+def _routers(text: str, extra: tuple[str, ...] = ()) -> list[str]:
     from bench.replay.config import parse_router
 
     names = [r.strip() for r in text.split(",") if r.strip()]
     try:
         for r in names:
-            parse_router(r)
+            if r not in extra:
+                parse_router(r)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--routers") from exc
     if not names:
@@ -155,7 +156,9 @@ def replay(
 def overhead(
     out: Path = typer.Option(Path("bench-results/overhead"), help="Report directory."),
     routers: str = typer.Option(
-        "ours:cost,vllm-router,sglang-router", help="Comma-separated routers to measure."
+        "ours:cost,vllm-router,sglang-router",
+        help="Comma-separated routers to measure; python-floor adds bench.replay.floor "
+        "(Python's cheapest proxy, deciding nothing) as a yardstick.",
     ),
     rounds: int = typer.Option(20, min=1, help="Interleaved rounds."),
     per_batch: int = typer.Option(
@@ -170,9 +173,10 @@ def overhead(
     from rich.console import Console
 
     from bench.replay.config import PEERS
+    from bench.replay.interleave import FLOOR
     from bench.replay.overhead import run_overhead
 
-    names = _routers(routers)
+    names = _routers(routers, extra=(FLOOR,))
     if any(r in PEERS for r in names):
         require_extras("kvroute bench overhead with peer routers", "bench")
     logging.getLogger("httpx").setLevel(logging.WARNING)

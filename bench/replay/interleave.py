@@ -7,7 +7,8 @@ router's p50/p99 minus the direct p50/p99 of the same cell. Two upstreams: a min
 (``bench.replay.upstream``: answers in microseconds; half the requests stream) and one
 simulated engine (time scale 1000, non-streaming). A router's CPU seconds per request come
 from ``/proc/<pid>/stat`` (utime + stime of it and its children), read around its own
-batches only.
+batches only. ``python-floor`` (``bench.replay.floor``) may stand among the routers: the
+cheapest proxy Python has, deciding nothing.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from bench.replay.records import percentile
 from bench.replay.trace import block_text
 from stack.procs import free_port
 
-__all__ = ["proxy_overhead"]
+__all__ = ["FLOOR", "proxy_overhead"]
 
 log = logging.getLogger(__name__)
 
 _TICKS = os.sysconf("SC_CLK_TCK")
+FLOOR = "python-floor"  # bench.replay.floor: a yardstick, not a router
 
 
 def _prompt(i: int) -> str:
@@ -125,6 +127,19 @@ def _minimal_upstream(logdir: Path) -> Iterator[tuple[str, Proc]]:
         proc.stop()
 
 
+@contextlib.contextmanager
+def _floor(upstream: str, logdir: Path) -> Iterator[str]:
+    """``bench.replay.floor`` in front of ``upstream``: Python's cheapest proxy."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "bench.replay.floor", str(port), upstream]
+    proc = spawn(FLOOR, cmd, logdir)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", proc, 30)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()
+
+
 @dataclass
 class _Handle:  # what running_router needs of an engine
     url: str
@@ -151,6 +166,10 @@ def _measure(
     with contextlib.ExitStack() as stack:
         targets = [_Target("direct", direct_url, None)]
         for r in routers:
+            if r == FLOOR:
+                base = stack.enter_context(_floor(direct_url, logdir))
+                targets.append(_Target(r, base, _pid_of(base)))
+                continue
             kind, policy = parse_router(r)
             base, _ = stack.enter_context(
                 running_router(kind, policy, handles, cfg, logdir, settle_s=0.5)

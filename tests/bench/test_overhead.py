@@ -31,3 +31,26 @@ def test_decision_time_measures_decide_and_score_choose():
     assert "| upstream | router | parse | hash |" in md
     assert "| minimal | ours:cost | 0.012 | 0.100 |" in md
     assert "| 4 instances | decide |" in md
+
+
+def test_python_floor_relays_answers_byte_for_byte(tmp_path):
+    """The yardstick must be a real proxy, or its figures say nothing: whole answers keep
+    their body, streamed ones arrive chunk for chunk, an unreachable upstream is a 502."""
+    import httpx
+
+    from bench.replay.interleave import _floor, _minimal_upstream
+    from stack.procs import free_port
+
+    with _minimal_upstream(tmp_path) as (url, _), _floor(url, tmp_path) as floor:
+        for body in ({"prompt": "hi"}, {"prompt": "hi", "stream": True}):
+            direct = httpx.post(f"{url}/v1/completions", json=body, timeout=10)
+            relayed = httpx.post(f"{floor}/v1/completions", json=body, timeout=10)
+            assert relayed.status_code == direct.status_code == 200
+            assert relayed.content == direct.content
+            assert relayed.headers["content-type"] == direct.headers["content-type"]
+        streamed = httpx.post(f"{floor}/v1/completions", json=body, timeout=10)
+        assert streamed.headers.get("transfer-encoding") == "chunked"
+        assert streamed.text.endswith("data: [DONE]\n\n")
+    with _floor(f"http://127.0.0.1:{free_port()}", tmp_path) as floor:
+        r = httpx.post(f"{floor}/v1/completions", json={"prompt": "x"}, timeout=10)
+        assert r.status_code == 502 and b"refused" in r.content
