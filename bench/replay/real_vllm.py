@@ -8,8 +8,8 @@ suite's (a) 4x down: 128-character blocks, so prompts fit the model's 2,048 toke
 shared prefixes stay shared); the suite's ``a_real_shape`` simulates the same engines,
 so the sim's figures can be set beside vLLM's. Reused tokens are what vLLM itself counts:
 the deltas of ``vllm:prefix_cache_hits_total`` / ``..._queries_total`` summed over the
-engines. Run by ``python -m bench.replay.real_vllm OUT`` (needs the vLLM CPU venv at
-``VLLM_PY``; CPU-heavy: minutes).
+engines. Run by ``python -m bench.replay.real_vllm OUT [ROUTERS [SEEDS [TOKENIZER]]]``
+(needs the vLLM CPU venv at ``VLLM_PY``; CPU-heavy: about a minute per router and seed).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import contextlib
 import json
 import logging
 import re
-import statistics
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -31,6 +30,8 @@ import zmq
 
 from bench.replay.config import EngineConfig, ReplayConfig, parse_router
 from bench.replay.procs import EngineHandle, running_router
+from bench.replay.records import percentile
+from bench.replay.suite import interval
 from bench.replay.suite_workloads import SUITE, agent_chat_real_shape
 from bench.replay.trace import compress_arrivals, prompt_text
 from stack.procs import EventForwarder, free_port
@@ -130,44 +131,77 @@ async def _send(base: str, prompts: list[str], arrivals: list[float]) -> list[fl
     return ttft
 
 
-def run_real(out: Path, routers: Sequence[str], seed: int = 0, gpu_blocks: int = 400,
-             time_scale: float = 4.0) -> dict[str, Any]:  # fmt: skip
-    reqs = agent_chat_real_shape(seed)
-    prompts = [prompt_text(r, seed, SUITE["a_real_shape"].block_chars) for r in reqs]
-    arrivals = compress_arrivals(reqs, time_scale)
-    cfg = ReplayConfig(engines=3, engine=EngineConfig(profile="gemma3", block_size=32),
-                       model="gemma3", seed=seed)  # fmt: skip
-    results: dict[str, Any] = {}
-    for router in routers:
-        kind, policy = parse_router(router)
-        logdir = out / "real-vllm-logs" / router.replace(":", "-")
-        t0 = time.perf_counter()
-        try:
-            with real_engines(3, logdir, gpu_blocks) as engines:
-                h0, q0 = _counters(engines)
-                extra = ["--tokenizer", "remote"] if kind == "ours" else []
-                with running_router(kind, policy, engines, cfg, logdir, extra=extra) as (base, _):
-                    ttft = asyncio.run(_send(base, prompts, arrivals))
-                time.sleep(1.0)
-                h1, q1 = _counters(engines)
-        except (RuntimeError, TimeoutError, OSError) as exc:
-            log.error("real vLLM %s failed: %s", router, exc)
-            results[router] = {"error": str(exc)[:300]}
-            continue
-        ok = [t for t in ttft if t is not None]
-        results[router] = {
-            "reused_ratio": (h1 - h0) / (q1 - q0) if q1 > q0 else None,
-            "hit_tokens": h1 - h0,
-            "query_tokens": q1 - q0,
-            "ok": len(ok),
-            "requests": len(ttft),
-            "ttft_p50_ms": 1e3 * statistics.median(ok) if ok else None,
-            "wall_s": time.perf_counter() - t0,
-        }
-        log.info("real vLLM %s: %s", router, results[router])
+def _cell(
+    engines: Sequence[EngineHandle], router: str, cfg: ReplayConfig, logdir: Path,
+    prompts: list[str], arrivals: list[float], extra: Sequence[str],
+) -> dict[str, Any]:  # fmt: skip
+    """One router on fresh engines: vLLM's own hit counters and the client's TTFTs."""
+    kind, policy = parse_router(router)
+    h0, q0 = _counters(engines)
+    with running_router(kind, policy, engines, cfg, logdir, extra=extra) as (base, _):
+        ttft = asyncio.run(_send(base, prompts, arrivals))
+    time.sleep(1.0)
+    h1, q1 = _counters(engines)
+    ok = sorted(t for t in ttft if t is not None)
+    return {
+        "reused_ratio": (h1 - h0) / (q1 - q0) if q1 > q0 else None,
+        "hit_tokens": h1 - h0,
+        "query_tokens": q1 - q0,
+        "ok": len(ok),
+        "requests": len(ttft),
+        "ttft_p50_ms": 1e3 * percentile(ok, 50) if ok else None,
+        "ttft_p90_ms": 1e3 * percentile(ok, 90) if ok else None,
+    }
+
+
+def run_real(out: Path, routers: Sequence[str], seeds: Sequence[int] = (0,),
+             gpu_blocks: int = 400, time_scale: float = 4.0,
+             ours_tokenizer: str = "remote") -> dict[str, Any]:  # fmt: skip
+    """Every router on fresh engines, per seed; the routers' order rotates with the seed
+    so that the machine's drift over the run falls on all alike. ``ours_tokenizer``: how
+    our router tokenizes (``remote``: each request asks an engine's ``/tokenize``; the
+    model directory: in process, as vLLM does)."""
+    cells: dict[str, list[dict[str, Any]]] = {r: [] for r in routers}
+    for n, seed in enumerate(seeds):
+        reqs = agent_chat_real_shape(seed)
+        prompts = [prompt_text(r, seed, SUITE["a_real_shape"].block_chars) for r in reqs]
+        arrivals = compress_arrivals(reqs, time_scale)
+        cfg = ReplayConfig(engines=3, engine=EngineConfig(profile="gemma3", block_size=32),
+                           model="gemma3", seed=seed)  # fmt: skip
+        order = list(routers[n % len(routers) :]) + list(routers[: n % len(routers)])
+        for router in order:
+            logdir = out / "real-vllm-logs" / f"{router.replace(':', '-')}-seed{seed}"
+            t0 = time.perf_counter()
+            try:
+                with real_engines(3, logdir, gpu_blocks) as engines:
+                    tok = _ours_tokenizer(ours_tokenizer)
+                    extra = ["--tokenizer", tok] if router.startswith("ours:") else []
+                    cell = _cell(engines, router, cfg, logdir, prompts, arrivals, extra)
+            except (RuntimeError, TimeoutError, OSError) as exc:
+                log.error("real vLLM %s seed %d failed: %s", router, seed, exc)
+                cell = {"error": str(exc)[:300]}
+            cell.update(seed=seed, wall_s=time.perf_counter() - t0)
+            log.info("real vLLM %s seed %d: %s", router, seed, cell)
+            cells[router].append(cell)
+    results: dict[str, Any] = {"seeds": list(seeds), "ours_tokenizer": ours_tokenizer}
+    for router, rows in cells.items():
+        agg = {k: interval([c[k] for c in rows if c.get(k) is not None]) for k in _METRICS}
+        results[router] = {**agg, "cells": rows}
     out.mkdir(parents=True, exist_ok=True)
     (out / "real_vllm.json").write_text(json.dumps(results, indent=1))
     return results
+
+
+_METRICS = ("reused_ratio", "ttft_p50_ms", "ttft_p90_ms")
+
+
+def _ours_tokenizer(spec: str) -> str:
+    """``model`` names the served model's directory (made by ``ensure_models``)."""
+    if spec != "model":
+        return spec
+    from engine_adapter.vllm_cpu import ensure_models
+
+    return str(ensure_models(python=VLLM_PY) / "gemma3")
 
 
 if __name__ == "__main__":
@@ -175,4 +209,6 @@ if __name__ == "__main__":
     target = Path(sys.argv[1] if len(sys.argv) > 1 else "bench-results/real-vllm")
     names = sys.argv[2].split(",") if len(sys.argv) > 2 else ["ours:cost", "vllm-router",
                                                               "sglang-router"]  # fmt: skip
-    print(json.dumps(run_real(target, names), indent=1))
+    seeds = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else [0]
+    tokenizer = sys.argv[4] if len(sys.argv) > 4 else "remote"
+    print(json.dumps(run_real(target, names, seeds, ours_tokenizer=tokenizer), indent=1))
