@@ -58,14 +58,19 @@ class _Proc:
         return self.server.log_tail(chars)
 
 
+def _model_dir() -> Path:
+    """The tiny gemma3 the engines serve (made once; cached by make_models.py's hash)."""
+    from engine_adapter.vllm_cpu import ensure_models
+
+    return ensure_models(python=VLLM_PY) / "gemma3"
+
+
 @contextlib.contextmanager
 def real_engines(n: int, logdir: Path, gpu_blocks: int) -> Iterator[list[EngineHandle]]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "vllm"))
     from harness import VllmServer  # the real-vLLM test harness
 
-    from engine_adapter.vllm_cpu import ensure_models
-
-    models = ensure_models(python=VLLM_PY)
+    model_dir = _model_dir()
     ctx = zmq.Context()
     fwds: list[EventForwarder] = []
     servers: list[Any] = []
@@ -82,7 +87,7 @@ def real_engines(n: int, logdir: Path, gpu_blocks: int) -> Iterator[list[EngineH
                 "replay_endpoint": f"tcp://127.0.0.1:{rp}",
             }
             s = VllmServer(VLLM_PY, logdir, name=f"vllm-{i}")
-            s.start(models / "gemma3", kv_events_config=events, num_gpu_blocks=gpu_blocks,
+            s.start(model_dir, kv_events_config=events, num_gpu_blocks=gpu_blocks,
                     max_num_batched_tokens=512, served_model_name="gemma3", wait=False)  # fmt: skip
             servers.append(s)
             handles.append(EngineHandle(f"engine-{i}", s.port, fwd.out_port, rp, _Proc(s)))
@@ -145,7 +150,8 @@ def run_real(out: Path, routers: Sequence[str], seed: int = 0, gpu_blocks: int =
         try:
             with real_engines(3, logdir, gpu_blocks) as engines:
                 h0, q0 = _counters(engines)
-                extra = ["--tokenizer", "remote"] if kind == "ours" else []
+                # The model dir the engines serve: vLLM's ids in-process, no /tokenize trip.
+                extra = ["--tokenizer", str(_model_dir())] if kind == "ours" else []
                 with running_router(kind, policy, engines, cfg, logdir, extra=extra) as (base, _):
                     ttft = asyncio.run(_send(base, prompts, arrivals))
                 time.sleep(1.0)
