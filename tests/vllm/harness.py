@@ -304,6 +304,11 @@ class VllmServer:
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return tokenize(self.url, prompt, add_special_tokens, model=self.served_model_name)
 
+    def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """vLLM's ids for a chat (its template, ``add_generation_prompt``)."""
+        body = {"messages": messages, "model": self.served_model_name}
+        return list(_post(f"{self.url}/tokenize", body, 60.0)["tokens"])
+
 
 # ---- requests ------------------------------------------------------------------------------
 

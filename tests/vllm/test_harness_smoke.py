@@ -24,6 +24,7 @@ from harness import (
     free_port,
 )
 
+from events.model_dir import ModelDirTokenizer
 from events.structs import BlockStored
 
 pytestmark = pytest.mark.vllm
@@ -38,6 +39,14 @@ EXPECTED_KINDS: dict[str, list[str]] = {
 # Which event mode each model exercises (all three would triple the run time).
 BIND_MODE = {"gemma3": True, "qwen3next": False, "llama": False}
 TOKENIZE_PROBE = "héllo wörld\n<|user|> <eos><bos>  \t<0x41>"
+# Text parts: vLLM joins them with a newline before the template sees them.
+CHAT_PROBE = [
+    {"role": "system", "content": "be brief <bos>"},
+    {
+        "role": "user",
+        "content": [{"type": "text", "text": "héllo"}, {"type": "text", "text": "wörld"}],
+    },
+]
 
 
 def byte_prompt(n: int, seed: int) -> str:
@@ -65,7 +74,7 @@ def shape(ev: BlockStored, full_chain: list[Any], prompt_ids: list[int]) -> dict
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("model", ["llama", "gemma3", "qwen3next"])
 def test_server_cache_hit_and_groups(
-    model: str, vllm_server: Any, event_recorder: Any, tmp_path: Path
+    model: str, vllm_server: Any, vllm_models: Path, event_recorder: Any, tmp_path: Path
 ) -> None:
     replay_port = free_port()
     if BIND_MODE[model]:
@@ -167,4 +176,14 @@ def test_server_cache_hit_and_groups(
         "second_cached_tokens": second.cached_tokens,
     }
     logger.info("%s facts: %s", model, json.dumps(report))
+
+    # The router's --tokenizer MODEL_DIR gives this server's ids, for a completion's prompt
+    # and for a chat (/tokenize and the generation path alike). Last: the chat is too short
+    # to store a block, and the event checks above are done.
+    local = ModelDirTokenizer(vllm_models / model)
+    assert local.encode_prompt(TOKENIZE_PROBE) == probe
+    chat_ids = server.tokenize_chat(CHAT_PROBE)
+    assert local.encode_chat(CHAT_PROBE) == chat_ids
+    assert server.chat(CHAT_PROBE).prompt_token_ids == chat_ids
+    assert bytes(chat_ids).decode().count("héllo\nwörld") == 1
     (tmp_path / f"facts-{model}.json").write_text(json.dumps(report, indent=2))
