@@ -34,6 +34,15 @@ class RoutingFields(msgspec.Struct):
     cache_salt: Any = _UNSET
     model: Any = _UNSET  # picks the pool (and a LoRA adapter)
     user: Any = _UNSET  # may name a session (session affinity)
+    # What changes a prompt's token ids (a model-directory tokenizer renders them as vLLM).
+    add_special_tokens: Any = _UNSET
+    add_generation_prompt: Any = _UNSET
+    continue_final_message: Any = _UNSET
+    chat_template_kwargs: Any = _UNSET
+    chat_template: Any = _UNSET
+    documents: Any = _UNSET
+    reasoning_effort: Any = _UNSET
+    tools: Any = _UNSET
 
 
 _decoder = msgspec.json.Decoder(RoutingFields)

@@ -36,3 +36,22 @@ async def test_what_cannot_be_reproduced_is_cannot_tell(tmp_path: Path) -> None:
     image = {"type": "image_url", "image_url": {"url": "data:,"}}
     assert await rt.prompt_ids({"messages": [{"role": "user", "content": [image]}]}, "chat") is None
     assert await rt.prompt_ids({"messages": [{"content": "no role"}]}, "chat") is None
+
+
+async def test_the_hot_path_keeps_the_fields_that_change_the_ids(tmp_path: Path) -> None:
+    """The proxy decodes only routing fields from a body; those that change the prompt's
+    ids must be among them, or a request routed through it is tokenized as if unset."""
+    import json
+
+    from router.fastpath import parse_body
+
+    rt = RoutingTokenizer(str(tokkit.bos_postprocessor_dir(tmp_path)))
+    head = [BOS, *b("[SYS] You are helpful.\n[USER] x\n")]
+    raw = {"model": "m", "messages": USER, "add_generation_prompt": False, "max_tokens": 3}
+    kind, data = parse_body(json.dumps(raw).encode(), None)
+    assert await rt.prompt_ids(data, kind) == head
+    raw = {"model": "m", "messages": USER, "tools": [{"type": "function"}]}
+    kind, data = parse_body(json.dumps(raw).encode(), None)
+    assert await rt.prompt_ids(data, kind) is None
+    kind, data = parse_body(b'{"prompt": "ab", "add_special_tokens": false}', "completion")
+    assert await rt.prompt_ids(data, kind) == b("ab")
