@@ -80,6 +80,11 @@ def replay(
     seeds: str = typer.Option("0,1,2", help="Suite: seeds per cell."),
     live_suite: str = typer.Option("", help="Suite: workloads also replayed live."),
     live_seeds: str = typer.Option("0", help="Suite: seeds of the live cells."),
+    real_vllm_seeds: str = typer.Option(
+        "",
+        help="Suite: also run the live routers on 3 real vLLM CPU engines (a_real_shape's "
+        "workload) for these seeds; needs the vLLM CPU venv (engine_adapter/vllm_cpu).",
+    ),
 ) -> None:
     """Replay a trace through each router on fresh engines; write report.md, results.json and
     plots (TTFT CDF, hit ratio, load per instance) under --out."""
@@ -98,7 +103,7 @@ def replay(
         logging.getLogger("httpx").setLevel(logging.WARNING)
         try:
             text = run_suite_cli(out, suite, seeds, live_suite, live_seeds, jobs,
-                                 _command("replay"))  # fmt: skip
+                                 _command("replay"), real_vllm_seeds)  # fmt: skip
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--suite") from exc
         Console().print(text)

@@ -152,6 +152,7 @@ def _cell(
         "reused_ratio": (h1 - h0) / (q1 - q0) if q1 > q0 else None,
         "hit_tokens": h1 - h0,
         "query_tokens": q1 - q0,
+        "uncached_tokens": (q1 - q0) - (h1 - h0),
         "ok": len(ok),
         "requests": len(ttft),
         "ttft_p50_ms": 1e3 * percentile(ok, 50) if ok else None,
@@ -197,7 +198,7 @@ def run_real(out: Path, routers: Sequence[str], seeds: Sequence[int] = (0,),
     return results
 
 
-_METRICS = ("reused_ratio", "ttft_p50_ms", "ttft_p90_ms")
+_METRICS = ("reused_ratio", "ttft_p50_ms", "ttft_p90_ms", "uncached_tokens")
 
 
 def _ours_tokenizer(spec: str) -> str:

@@ -147,11 +147,14 @@ def run_suite(
     live_workloads: Sequence[str] = (),
     live_seeds: Sequence[int] = (0,),
     live_routers: Sequence[str] = LIVE_ROUTERS,
+    real_vllm_seeds: Sequence[int] = (),
     jobs: int = 1,
     command: str = "",
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the suite; write ``report.md``, ``results.json`` and plots under ``out``."""
+    """Run the suite; write ``report.md``, ``results.json`` and plots under ``out``.
+    ``real_vllm_seeds``: also run ``live_routers`` on real vLLM CPU engines
+    (``bench.replay.real_vllm``: ``a_real_shape``'s workload), per seed."""
     for k in (*workloads, *live_workloads):
         if k not in SUITE:
             raise ValueError(f"unknown suite workload {k!r}; expected one of {list(SUITE)}")
@@ -179,6 +182,13 @@ def run_suite(
                 cells["live"].setdefault(k, {}).setdefault(r, []).append(summary)
                 if progress is not None:
                     progress(f"live {k} seed {s} {r}: hit {summary['hit_ratio']:.3f}")
+    real = None
+    if real_vllm_seeds:
+        from bench.replay.real_vllm import run_real
+
+        real = run_real(out, live_routers, real_vllm_seeds)
+        if progress is not None:
+            progress(f"real vLLM: {len(real_vllm_seeds)} seeds")
     agg = {
         mode: {k: {r: aggregate(cs) for r, cs in per.items()} for k, per in ws.items()}
         for mode, ws in cells.items()
@@ -200,6 +210,7 @@ def run_suite(
         "aggregate": agg,
         "targets": targets,
         "cells": cells,
+        "real_vllm": real,
     }
     (out / "results.json").write_text(json.dumps(results_json, indent=1, default=str))
     from bench.replay.suite_report import plot_suite, suite_markdown
@@ -210,8 +221,9 @@ def run_suite(
 
 
 def run_suite_cli(
-    out: Path, suite: str, seeds: str, live: str, live_seeds: str, jobs: int, command: str
-) -> str:
+    out: Path, suite: str, seeds: str, live: str, live_seeds: str, jobs: int, command: str,
+    real_vllm_seeds: str = "",
+) -> str:  # fmt: skip
     """``kvroute bench replay --suite``: parse the flags, run, return the report text."""
 
     def ints(text: str) -> list[int]:
@@ -230,6 +242,7 @@ def run_suite_cli(
         seeds=ints(seeds),
         live_workloads=live_w,
         live_seeds=ints(live_seeds),
+        real_vllm_seeds=ints(real_vllm_seeds),
         jobs=jobs,
         command=command,
         progress=lambda msg: log.info("%s", msg),

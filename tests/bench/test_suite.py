@@ -83,3 +83,21 @@ def test_suite_writes_report_results_and_plots(tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "| ours:cost |" in report and "±" in report
     assert (tmp_path / "suite_hits.png").stat().st_size > 1000
+
+
+def test_report_has_the_real_vllm_section_when_it_ran():
+    from bench.replay.suite import interval
+    from bench.replay.suite_report import suite_markdown
+
+    base = {"command": "c", "seeds": [0], "live_seeds": [0], "workloads": {},
+            "aggregate": {}, "targets": {}}  # fmt: skip
+    assert "## real vLLM" not in suite_markdown({**base, "real_vllm": None}, [])
+    cells = [{"reused_ratio": 0.8, "uncached_tokens": 15000.0, "ttft_p50_ms": 3000.0},
+             {"reused_ratio": 0.84, "uncached_tokens": 12000.0, "ttft_p50_ms": 2000.0}]  # fmt: skip
+    row = {k: interval([c[k] for c in cells]) for k in cells[0]}
+    real = {"seeds": [0, 1], "ours_tokenizer": "model", "ours:cost": {**row, "cells": cells},
+            "sglang-router": {"error": "x"}}  # fmt: skip
+    md = suite_markdown({**base, "real_vllm": real}, [])
+    assert "## real vLLM" in md and "seeds [0, 1]" in md
+    assert "| ours:cost | 82.0 ± 25.4% | 13500 ± 19065 | 2500 ± 6355 | - |" in md
+    assert "sglang-router" not in md.split("## real vLLM")[1]  # no cells: no row
