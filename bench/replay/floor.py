@@ -20,9 +20,9 @@ import logging
 import sys
 from http import HTTPStatus
 
-import httptools
 import uvloop
 
+from bench.replay.upstream import RequestProtocol
 from router.upstream import UpstreamError, UpstreamPool
 
 log = logging.getLogger(__name__)
@@ -30,39 +30,16 @@ log = logging.getLogger(__name__)
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
 
 
-class _Relay(asyncio.Protocol):
+class _Relay(RequestProtocol):
     """One client connection: requests one at a time (no pipelining), relayed upstream."""
 
     def __init__(self, pool: UpstreamPool, upstream: str) -> None:
+        super().__init__()
         self.pool, self.upstream = pool, upstream
-        self.parser = httptools.HttpRequestParser(self)
-        self.transport: asyncio.Transport | None = None
-        self.url = b""
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.body = bytearray()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            assert self.transport is not None
-            self.transport.close()
-
-    def on_url(self, url: bytes) -> None:
-        self.url = url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() == b"content-type":
-            self.headers.append((b"content-type", value))
-
-    def on_body(self, body: bytes) -> None:
-        self.body += body
 
     def on_message_complete(self) -> None:
-        path, body, headers = self.url.decode(), bytes(self.body), self.headers
+        path, body = self.url.decode(), bytes(self.body)
+        headers = [(k, v) for k, v in self.headers if k == b"content-type"]
         self.body.clear()
         self.headers = []
         if self.parser.get_method() == b"GET":

@@ -40,10 +40,14 @@ def _chunked(body: bytes) -> bytes:
     return head + b"\r\n\r\n" + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
 
 
-class _Http(asyncio.Protocol):
+class RequestProtocol(asyncio.Protocol):
+    """An HTTP/1.1 server connection on httptools' parser: collects each request's URL,
+    body and (lowercase-named) headers and hands them to ``on_message_complete``."""
+
     def __init__(self) -> None:
         self.parser = httptools.HttpRequestParser(self)
         self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
         self.body = bytearray()
         self.transport: asyncio.Transport | None = None
 
@@ -60,13 +64,19 @@ class _Http(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self.url = url
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
     def on_body(self, body: bytes) -> None:
         self.body += body
 
+
+class _Http(RequestProtocol):
     def on_message_complete(self) -> None:
         assert self.transport is not None
         path, body = self.url.split(b"?")[0], bytes(self.body)
         self.body.clear()
+        self.headers = []
         if path == b"/health":
             out = _response(b"200 OK", b"{}")
         elif path in (b"/v1/completions", b"/v1/chat/completions"):
