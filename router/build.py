@@ -5,6 +5,7 @@ index is wrapped in ``InstrumentedIndex`` so its lookup and apply times are expo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,8 @@ from router.index.base import BlockIndex
 from router.index.instrumented import IndexMetrics, InstrumentedIndex
 from router.layout import LayoutRegistry
 from router.metrics import RouterMetrics
-from router.policy import CostRates, Policy, make_policy
+from router.policy import CostPolicy, CostRates, Policy, make_policy
+from router.pressure import EvictionTracker
 from router.score import Scorer
 from router.speculative import SpeculativeResidency
 from router.tokenize import RoutingTokenizer
@@ -53,7 +55,8 @@ def build_router(
     simulator seeds its tie-breaking); ``clock`` drives speculative expiry (virtual time);
     ``affinity`` keeps sessions on their instance (applied after the policy's ranking);
     ``full_only`` overrides the scorer's group filter (default: the ``prefix_full_only``
-    baseline scores full-attention groups only)."""
+    baseline scores full-attention groups only). A cost policy is handed an
+    ``EvictionTracker`` (``router.evictions``: ingest feeds it every batch)."""
     metrics = metrics or RouterMetrics()
     index = instrument(index, metrics)
     speculative = (
@@ -81,5 +84,8 @@ def build_router(
         seed=settings.seed,
         affinity=affinity,
     )
+    if settings.eviction_window_s > 0 and isinstance(router.policy, CostPolicy):
+        evictions = EvictionTracker(settings.eviction_window_s, clock or time.monotonic)
+        router.evictions, router.policy.roomy = evictions, evictions.roomy
     layouts.on_change = router.relayout
     return router

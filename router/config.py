@@ -202,6 +202,9 @@ class RouterSettings(BaseSettings):
     load_s_per_token: float = Field(7e-6, ge=0)
     request_overhead_s: float = Field(0.005, ge=0)
     speculative_ttl_s: float = Field(2.0, ge=0)
+    # An instance that evicted GPU blocks within this many seconds is short of KV memory;
+    # the others have room, where the cost policy keeps continuations stickier. 0: off.
+    eviction_window_s: float = Field(10.0, ge=0)
     health_interval_s: float = Field(2.0, gt=0)
     health_timeout_s: float = Field(2.0, gt=0)
     health_failures: int = Field(2, ge=1)

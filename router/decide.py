@@ -21,6 +21,7 @@ from router.index.base import BlockIndex, Tier, group_tier
 from router.instances import Instance, InstanceRegistry
 from router.metrics import RouterMetrics
 from router.policy import Candidate, Decision, Policy
+from router.pressure import EvictionTracker
 from router.prompt_hashes import PromptHashes
 from router.score import ZERO, Score, Scorer
 from router.speculative import SpeculativeResidency
@@ -92,6 +93,8 @@ class Router:
     hash_algo: str
     seed: str | None
     affinity: SessionAffinity | None = None
+    # Fed by ingest with every event batch; the cost policy reads it (``router.pressure``).
+    evictions: EvictionTracker | None = None
     prompt_hashes: PromptHashes = field(init=False)
     # instance -> id(decision) -> (decision, the layout its speculative entries assumed,
     # when they expire), in recording order, while the request is in flight: re-recorded

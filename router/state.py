@@ -88,6 +88,8 @@ class RouterState:
         self.scorer = self.router.scorer
         self.speculative = self.router.speculative
         self.ingest.on_applied = self.speculative.flush
+        if self.router.evictions is not None:
+            self.ingest.on_batch = self.router.evictions.observe
         self.admission = AdmissionController(
             AdmissionConfig(**s.section("admission")), self.metrics.registry
         )

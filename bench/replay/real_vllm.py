@@ -124,7 +124,7 @@ async def _send(base: str, prompts: list[str], arrivals: list[float]) -> list[fl
         async def one(i: int) -> None:
             await asyncio.sleep(max(0.0, start + arrivals[i] - loop.time()))
             body = {"model": "gemma3", "prompt": prompts[i], "max_tokens": 4, "stream": True,
-                    "temperature": 0}  # fmt: skip
+                    "temperature": 0, "stream_options": {"include_usage": True}}  # fmt: skip
             t0 = loop.time()
             with contextlib.suppress(httpx.HTTPError):
                 async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
@@ -145,6 +145,10 @@ def _cell(
     h0, q0 = _counters(engines)
     with running_router(kind, policy, engines, cfg, logdir, extra=extra) as (base, _):
         ttft = asyncio.run(_send(base, prompts, arrivals))
+        if kind == "ours":  # its prediction exactness, decisions and stages, to read later
+            with contextlib.suppress(httpx.HTTPError):
+                metrics = httpx.get(f"{base}/metrics", timeout=10).text
+                (logdir / "router-metrics.txt").write_text(metrics)
     time.sleep(1.0)
     h1, q1 = _counters(engines)
     ok = sorted(t for t in ttft if t is not None)
@@ -178,14 +182,20 @@ def run_real(out: Path, routers: Sequence[str], seeds: Sequence[int] = (0,),
         for router in order:
             logdir = out / "real-vllm-logs" / f"{router.replace(':', '-')}-seed{seed}"
             t0 = time.perf_counter()
-            try:
-                with real_engines(3, logdir, gpu_blocks) as engines:
-                    tok = _ours_tokenizer(ours_tokenizer)
-                    extra = ["--tokenizer", tok] if router.startswith("ours:") else []
-                    cell = _cell(engines, router, cfg, logdir, prompts, arrivals, extra)
-            except (RuntimeError, TimeoutError, OSError) as exc:
-                log.error("real vLLM %s seed %d failed: %s", router, seed, exc)
-                cell = {"error": str(exc)[:300]}
+            started = False
+            tok = _ours_tokenizer(ours_tokenizer)
+            extra = ["--tokenizer", tok] if router.startswith("ours:") else []
+            for attempt in range(2):  # a free port taken before vLLM bound it: start again
+                try:
+                    with real_engines(3, logdir, gpu_blocks) as engines:
+                        started = True
+                        cell = _cell(engines, router, cfg, logdir, prompts, arrivals, extra)
+                    break
+                except (RuntimeError, TimeoutError, OSError) as exc:
+                    log.error("real vLLM %s seed %d failed: %s", router, seed, exc)
+                    cell = {"error": str(exc)[:300]}
+                    if started or attempt:
+                        break
             cell.update(seed=seed, wall_s=time.perf_counter() - t0)
             log.info("real vLLM %s seed %d: %s", router, seed, cell)
             cells[router].append(cell)

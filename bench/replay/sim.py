@@ -94,9 +94,12 @@ class _IndexFeed(EventPublisher):
         self.seq = 0
         self.batches = 0
         self.on_applied: Callable[[str], None] | None = None  # as IngestManager's
+        self.on_batch: Callable[[str, KVEventBatch], None] | None = None  # likewise
 
     def publish(self, batch: KVEventBatch) -> None:
         self.layouts.observe(self.name, batch)
+        if self.on_batch is not None:
+            self.on_batch(self.name, batch)
         self.index.apply_sync(self.name, batch, seq=self.seq)
         self.seq += 1
         self.batches += 1
@@ -196,6 +199,8 @@ async def _simulate(
     policy = router.policy
     for feed in feeds.values():
         feed.on_applied = router.speculative.flush
+        if router.evictions is not None:
+            feed.on_batch = router.evictions.observe
     for core in cores.values():
         await core.start()
 

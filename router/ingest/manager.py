@@ -44,6 +44,9 @@ class IngestManager:
     # Called with the instance name after its batches were applied (the router hands
     # speculative residency over to the index there).
     on_applied: Callable[[str], None] | None = field(default=None, init=False)
+    # Called with the instance name and each batch as it is learned from (the router's
+    # eviction tracker reads memory pressure there).
+    on_batch: Callable[[str, KVEventBatch], None] | None = field(default=None, init=False)
     metrics: IngestMetrics = field(init=False)
     _feeds: dict[str, Feed] = field(default_factory=dict, init=False, repr=False)
     _beat: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
@@ -322,9 +325,11 @@ class IngestManager:
             try:
                 if self.layouts.observe(name, batch):
                     learned = self.layouts.learned(name)
+                if self.on_batch is not None:
+                    self.on_batch(name, batch)
             except Exception:  # never let odd geometry stop the feed; the index still learns
                 self.metrics.errors.labels(name).inc()
-                log.exception("%s: cannot learn the layout from batch %d", name, seq)
+                log.exception("%s: cannot learn from batch %d", name, seq)
         if learned is not None:
             with contextlib.suppress(Exception):
                 await self.index.put_layout(name, learned.to_dict())

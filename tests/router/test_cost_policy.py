@@ -71,6 +71,23 @@ def test_a_continuation_stays_under_load_that_moves_a_mostly_new_prompt():
     assert new.instance == "a"
 
 
+def test_a_continuation_on_a_holder_with_room_stays_where_an_evicting_one_moves_it():
+    # 3000 of 4000 (75%) on a busy holder: 1000 x 9^1.5 = 27000 > 4000 moves it (above).
+    # A holder with KV room loses nothing by keeping it (>= 70%: 1000 x 9^0.5 = 3000 <
+    # 4000), so it stays; the same holder evicting, or not heard from, moves it.
+    busy = dict(inflight_requests=3, running_requests=5)
+    cands = [Candidate("h", gpu_tokens=3000, **busy), Candidate("a")]
+    roomy = {"h": True, "a": True}
+    assert policy(roomy=roomy.get).choose(cands, PROMPT).instance == "h"
+    roomy["h"] = False
+    assert policy(roomy=roomy.get).choose(cands, PROMPT).instance == "a"
+    # Below 70% held it is a new prompt, room or not: 2000 x 27 > 4000
+    few = [Candidate("h", gpu_tokens=2000, **busy), Candidate("a")]
+    assert policy(roomy=lambda _: True).choose(few, PROMPT).instance == "a"
+    # The room that counts is the holder's, not the idle alternative's.
+    assert policy(roomy={"h": False, "a": True}.get).choose(cands, PROMPT).instance == "a"
+
+
 def test_full_attention_prefix_is_credited_where_a_sparse_group_cut_the_hit():
     # Both hold nothing usable for this request's hit; "home" holds its full-attention
     # prefix (a sliding-window group's state at the end was evicted).

@@ -104,6 +104,25 @@ async def test_batches_are_applied_in_order_and_counted_by_type_and_status():
     await mgr.close()
 
 
+async def test_every_batch_reaches_the_eviction_tracker():
+    """Memory pressure is read from ingest's batches (``router.pressure``)."""
+    from router.pressure import EvictionTracker
+
+    idx, reg = MemoryIndex(), CollectorRegistry()
+    tracker = EvictionTracker(window_s=3600.0)
+    b0 = batch(stored([1, 2]), ts=time.time())
+    b1 = batch(removed([9]), ts=time.time())  # e2 evicted
+    sources = Sources([got(0, b0)], [got(0, b0), got(1, b1)])
+    mgr = IngestManager(idx, registry=reg, source_factory=sources)
+    mgr.on_batch = tracker.observe
+    await mgr.add_instance("e1", "tcp://x:1")
+    await mgr.add_instance("e2", "tcp://x:2")
+    await mgr.wait_for_seq("e1", 0)
+    await mgr.wait_for_seq("e2", 1)
+    assert tracker.roomy("e1") and not tracker.roomy("e2")
+    await mgr.close()
+
+
 async def _async(value):
     return value
 
