@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import re
 import sys
 import time
@@ -29,7 +28,15 @@ import aiohttp
 import httpx
 
 from bench.replay.config import EngineConfig, ReplayConfig, parse_router
-from bench.replay.procs import Proc, running_engines, running_router, spawn, wait_healthy
+from bench.replay.procs import (
+    Proc,
+    cpu_seconds,
+    pid_listening,
+    running_engines,
+    running_router,
+    spawn,
+    wait_healthy,
+)
 from bench.replay.records import percentile
 from bench.replay.trace import block_text
 from stack.procs import free_port
@@ -38,26 +45,11 @@ __all__ = ["FLOOR", "proxy_overhead"]
 
 log = logging.getLogger(__name__)
 
-_TICKS = os.sysconf("SC_CLK_TCK")
 FLOOR = "python-floor"  # bench.replay.floor: a yardstick, not a router
 
 
 def _prompt(i: int) -> str:
     return block_text(0, 7) + block_text(1_000_000 + i, 7)
-
-
-def _cpu_s(pid: int) -> float:
-    """utime + stime of ``pid`` and its live descendants, seconds."""
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / _TICKS
-            for task in Path(f"/proc/{p}/task").iterdir():
-                kids = (task / "children").read_text().split()
-                todo += [int(k) for k in kids]
-    return total
 
 
 @dataclass
@@ -90,10 +82,10 @@ async def _batch(
                     raise RuntimeError(f"{t.name}: {r.status}")
             lat.append(time.perf_counter() - t0)
 
-    cpu0 = _cpu_s(t.pid) if t.pid else 0.0
+    cpu0 = cpu_seconds(t.pid) if t.pid else 0.0
     await asyncio.gather(*(worker() for _ in range(conc)))
     if t.pid:
-        t.cpu_s[conc] = t.cpu_s.get(conc, 0.0) + _cpu_s(t.pid) - cpu0
+        t.cpu_s[conc] = t.cpu_s.get(conc, 0.0) + cpu_seconds(t.pid) - cpu0
     t.count[conc] = t.count.get(conc, 0) + n
 
 
@@ -168,13 +160,13 @@ def _measure(
         for r in routers:
             if r == FLOOR:
                 base = stack.enter_context(_floor(direct_url, logdir))
-                targets.append(_Target(r, base, _pid_of(base)))
+                targets.append(_Target(r, base, pid_listening(base)))
                 continue
             kind, policy = parse_router(r)
             base, _ = stack.enter_context(
                 running_router(kind, policy, handles, cfg, logdir, settle_s=0.5)
             )
-            targets.append(_Target(r, base, _pid_of(base)))
+            targets.append(_Target(r, base, pid_listening(base)))
         asyncio.run(_rounds(targets, cfg.model, rounds, per_batch, concurrency, stream_every))
         stages = {t.name: _stages(t.url) for t in targets if t.name.startswith("ours")}
     out: dict[str, Any] = {
@@ -198,27 +190,6 @@ def _stages(base: str) -> dict[str, float]:
     for kind, stage, value in _STAGE.findall(text):
         (sums if kind == "sum" else counts)[stage] = float(value)
     return {k: sums[k] / counts[k] * 1e3 for k in sums if counts.get(k)}
-
-
-def _pid_of(base: str) -> int | None:
-    """The pid of the process listening on ``base``'s port (from /proc/net/tcp)."""
-    port = int(base.rsplit(":", 1)[1])
-    inodes: set[str] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                parts = line.split()
-                if int(parts[1].rsplit(":", 1)[1], 16) == port and parts[3] == "0A":
-                    inodes.add(parts[9])
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            for fd in (proc / "fd").iterdir():
-                link = os.readlink(fd)
-                if link.startswith("socket:[") and link[8:-1] in inodes:
-                    return int(proc.name)
-    return None
 
 
 def proxy_overhead(

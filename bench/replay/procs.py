@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -23,7 +24,9 @@ from stack.procs import KVROUTE, EventForwarder, Proc, free_port, wait_http
 __all__ = [
     "EngineHandle",
     "Proc",
+    "cpu_seconds",
     "free_port",
+    "pid_listening",
     "router_command",
     "running_engines",
     "running_router",
@@ -169,3 +172,41 @@ def running_router(
         yield f"http://127.0.0.1:{port}", cmd
     finally:
         proc.stop()
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` and its live descendants, seconds."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / _TICKS
+            for task in Path(f"/proc/{p}/task").iterdir():
+                kids = (task / "children").read_text().split()
+                todo += [int(k) for k in kids]
+    return total
+
+
+def pid_listening(base: str) -> int | None:
+    """The pid of the process listening on ``base``'s port (from /proc/net/tcp)."""
+    port = int(base.rsplit(":", 1)[1])
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                parts = line.split()
+                if int(parts[1].rsplit(":", 1)[1], 16) == port and parts[3] == "0A":
+                    inodes.add(parts[9])
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    return int(proc.name)
+    return None

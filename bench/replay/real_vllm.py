@@ -29,7 +29,7 @@ import httpx
 import zmq
 
 from bench.replay.config import EngineConfig, ReplayConfig, parse_router
-from bench.replay.procs import EngineHandle, running_router
+from bench.replay.procs import EngineHandle, cpu_seconds, pid_listening, running_router
 from bench.replay.records import percentile
 from bench.replay.suite import interval
 from bench.replay.suite_workloads import SUITE, agent_chat_real_shape
@@ -144,7 +144,10 @@ def _cell(
     kind, policy = parse_router(router)
     h0, q0 = _counters(engines)
     with running_router(kind, policy, engines, cfg, logdir, extra=extra) as (base, _):
+        pid = pid_listening(base)
+        cpu0 = cpu_seconds(pid) if pid else 0.0
         ttft = asyncio.run(_send(base, prompts, arrivals))
+        cpu_s = cpu_seconds(pid) - cpu0 if pid else None  # the router's, on the engines' cores
         if kind == "ours":  # its prediction exactness, decisions and stages, to read later
             with contextlib.suppress(httpx.HTTPError):
                 metrics = httpx.get(f"{base}/metrics", timeout=10).text
@@ -161,6 +164,7 @@ def _cell(
         "requests": len(ttft),
         "ttft_p50_ms": 1e3 * percentile(ok, 50) if ok else None,
         "ttft_p90_ms": 1e3 * percentile(ok, 90) if ok else None,
+        "router_cpu_s": cpu_s,
     }
 
 
@@ -208,7 +212,7 @@ def run_real(out: Path, routers: Sequence[str], seeds: Sequence[int] = (0,),
     return results
 
 
-_METRICS = ("reused_ratio", "ttft_p50_ms", "ttft_p90_ms", "uncached_tokens")
+_METRICS = ("reused_ratio", "ttft_p50_ms", "ttft_p90_ms", "uncached_tokens", "router_cpu_s")
 
 
 def _ours_tokenizer(spec: str) -> str:
