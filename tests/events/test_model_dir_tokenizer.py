@@ -2,7 +2,7 @@
 
 Why: the router hashes these ids; one extra BOS, one special token split or matched the
 other way, or one newline a template keeps, and no block hash matches vLLM's.
-(tests/vllm/test_model_dir_tokenizer.py checks the same dirs against transformers.)
+(tests/vllm/test_hf_tokenizer_parity.py checks the same dirs against transformers.)
 """
 
 from __future__ import annotations
