@@ -36,10 +36,14 @@ class _Relay(RequestProtocol):
     def __init__(self, pool: UpstreamPool, upstream: str) -> None:
         super().__init__()
         self.pool, self.upstream = pool, upstream
+        self.headers: list[tuple[bytes, bytes]] = []  # the one passed on: content-type
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"content-type":
+            self.headers.append((b"content-type", value))
 
     def on_message_complete(self) -> None:
-        path, body = self.url.decode(), bytes(self.body)
-        headers = [(k, v) for k, v in self.headers if k == b"content-type"]
+        path, body, headers = self.url.decode(), bytes(self.body), self.headers
         self.body.clear()
         self.headers = []
         if self.parser.get_method() == b"GET":

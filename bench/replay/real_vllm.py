@@ -178,6 +178,7 @@ def run_real(out: Path, routers: Sequence[str], seeds: Sequence[int] = (0,),
     workload straight to fresh engines first -- the first cell of a run was consistently
     the slowest (TTFT p50 1.5-4x the same router's later cells), whichever router it was."""
     cells: dict[str, list[dict[str, Any]]] = {r: [] for r in routers}
+    ours_extra = ["--tokenizer", _ours_tokenizer(ours_tokenizer)]
     if warmup:
         _warm_up(out / "real-vllm-logs" / "warmup", gpu_blocks, seeds[0], time_scale)
     for n, seed in enumerate(seeds):
@@ -191,8 +192,7 @@ def run_real(out: Path, routers: Sequence[str], seeds: Sequence[int] = (0,),
             logdir = out / "real-vllm-logs" / f"{router.replace(':', '-')}-seed{seed}"
             t0 = time.perf_counter()
             started = False
-            tok = _ours_tokenizer(ours_tokenizer)
-            extra = ["--tokenizer", tok] if router.startswith("ours:") else []
+            extra = ours_extra if router.startswith("ours:") else []
             for attempt in range(2):  # a free port taken before vLLM bound it: start again
                 try:
                     with real_engines(3, logdir, gpu_blocks) as engines:

@@ -41,13 +41,12 @@ def _chunked(body: bytes) -> bytes:
 
 
 class RequestProtocol(asyncio.Protocol):
-    """An HTTP/1.1 server connection on httptools' parser: collects each request's URL,
-    body and (lowercase-named) headers and hands them to ``on_message_complete``."""
+    """An HTTP/1.1 server connection on httptools' parser: collects each request's URL and
+    body for ``on_message_complete`` (headers are skipped unless a subclass reads them)."""
 
     def __init__(self) -> None:
         self.parser = httptools.HttpRequestParser(self)
         self.url = b""
-        self.headers: list[tuple[bytes, bytes]] = []
         self.body = bytearray()
         self.transport: asyncio.Transport | None = None
 
@@ -64,9 +63,6 @@ class RequestProtocol(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self.url = url
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
-
     def on_body(self, body: bytes) -> None:
         self.body += body
 
@@ -76,7 +72,6 @@ class _Http(RequestProtocol):
         assert self.transport is not None
         path, body = self.url.split(b"?")[0], bytes(self.body)
         self.body.clear()
-        self.headers = []
         if path == b"/health":
             out = _response(b"200 OK", b"{}")
         elif path in (b"/v1/completions", b"/v1/chat/completions"):

@@ -124,10 +124,11 @@ VLLM_STARTUP_S = 600.0
 
 
 def _vllm_model_dir() -> Path:
-    """The tiny Gemma-3-like model the vLLM engines serve (made once, then cached)."""
-    from engine_adapter.vllm_cpu import ensure_models, vllm_python
+    """The tiny Gemma-3-like model the vLLM engines serve (made once, then cached; the
+    vLLM venv is looked up only to make it)."""
+    from engine_adapter.vllm_cpu import ensure_models
 
-    return ensure_models(python=vllm_python()) / "gemma3"
+    return ensure_models() / "gemma3"
 
 
 def _start_vllm(cfg: DemoConfig, policy: str, dep: Deployment) -> list[tuple[Proc, _Engine]]:
