@@ -82,6 +82,15 @@ async def redis_outage(
                 lambda: holds(client, router.url, probe, holder), 30, what="the probe rebuilt"
             )
             recovery_s = time.monotonic() - t_up
+
+            async def all_resynced() -> bool:
+                text = await metrics_text(client, router.url)
+                resyncs = "kvroute_ingest_resyncs_total"
+                return all(scrape(text, resyncs, instance=e.url) >= 1 for e in engines)
+
+            # An instance that got no batch since Redis came back finds its cursor gone
+            # only at ingest's next cursor check (every 2 s): wait for it, not a guess.
+            await wait_for(all_resynced, 30, what="every instance's history replayed")
             view = await route_view(client, router.url, probe)
             await asyncio.sleep(0.5)
         finally:
