@@ -24,7 +24,7 @@ from router.policy import Candidate, Decision, Policy
 from router.pressure import EvictionTracker
 from router.prompt_hashes import PromptHashes
 from router.score import ZERO, Score, Scorer
-from router.speculative import SpeculativeResidency
+from router.speculative import Held, SpeculativeResidency
 from router.tokenize import RoutingTokenizer
 
 __all__ = ["RouteDecision", "Router"]
@@ -53,8 +53,8 @@ class RouteDecision:
     candidates: dict[str, Candidate]
     index_ok: bool
     elapsed_s: float
-    # instance -> hashes its speculative entries were recorded under (released at the end)
-    speculative_held: dict[str, list[int]] = field(default_factory=dict)
+    # instance -> what predict-on-route recorded there (released when the request ends)
+    speculative_held: dict[str, Held] = field(default_factory=dict)
     # router.admission.Ticket: the slot admission gave it, released once a forward starts
     ticket: Any = None
     affinity: dict[str, Any] | None = None  # router.affinity's account, for /debug/route
@@ -241,19 +241,26 @@ class Router:
         if self.speculative.ttl_s <= 0:  # predict-on-route off: nothing to work out
             return
         score = decision.scores.get(instance)
+        # Where the request resumes is where vLLM keeps a state for its siblings: the
+        # junction, else its hit (whose state is there already). Scored under another
+        # layout (relayout: the default, full attention alone), the hit is that junction.
+        junction = (score.junction_tokens or score.gpu_tokens) if score else 0
         held = retained_prompt_blocks(
-            layout.groups,
-            decision.prompt_tokens,
-            layout.hash_block_size,
-            junction=score.junction_tokens if score else 0,
+            layout.groups, decision.prompt_tokens, layout.hash_block_size, junction=junction
         )
         n, take = len(hashes), hashes.__getitem__
         per_group: dict[int, list[int]] = {}
+        whole = 0  # groups holding every block from the first: a prefix of the prompt
         for g, positions in held:  # ascending positions; map + getitem runs in C
             if positions and positions[-1] >= n:
                 positions = positions[: bisect_left(positions, n)]
+            if positions and positions[-1] == len(positions) - 1:
+                whole |= 1 << g
             per_group[g] = list(map(take, positions))
-        decision.speculative_held[instance] = self.speculative.record(instance, per_group)
+        handle = self.speculative.record(instance, per_group, whole)
+        if handle is None:
+            return
+        decision.speculative_held[instance] = handle
         recorded = self._recorded.setdefault(instance, {})
         now = self.speculative.now()
         while recorded:

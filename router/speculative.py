@@ -15,23 +15,34 @@ published what it cached before it answered, so from then on the index is the tr
 an entry outliving it could credit blocks the engine has since evicted (that eviction
 comes in such a batch). ``ttl_s`` bounds an entry's life in any case; an answered
 request whose TTL passes before that batch is released then (an instance may publish none).
+
+Layout, chosen for the request path (it ran on every request and was a quarter of the
+router's CPU when it kept one entry per block with per-block renewal): per instance, one
+refcount dict per *class* -- the groups that hold the same blocks of a prompt (every
+full-attention group: the whole prompt; the sliding-window groups: their tails). A
+request adds 1 to the count of each of its blocks and takes it back once, when it is
+released or expires; a block is held while its count is positive. Every step runs as a
+few C-level passes over the request's blocks. A class that holds whole prompts (full
+attention) holds a union of hash chains, which is closed under prefixes -- a chain hash
+names its whole prefix -- so what it holds of a query is a prefix, found by bisection in
+a handful of lookups; the other classes (a few blocks per request) by set intersection.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import groupby
-from operator import itemgetter
+from collections import _count_elements, deque  # type: ignore[attr-defined]
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from router.index.base import Residency, Tier, slot_of
 
-__all__ = ["SpeculativeResidency"]
+__all__ = ["Held", "SpeculativeResidency"]
 
 _GPU = int(Tier.GPU)
-_first, _second = itemgetter(0), itemgetter(1)
+
+# A class: (bitmask of its groups, True where they hold whole prompts).
+_Class = tuple[int, bool]
 
 
 @functools.cache
@@ -40,231 +51,180 @@ def _gpu_slots(groups: int) -> tuple[int, ...]:
     return tuple(slot_of(g, _GPU) for g in range(groups.bit_length()) if groups >> g & 1)
 
 
-def _groups_of(held: Mapping[int, Iterable[int]]) -> tuple[dict[int, int], int, list[int]]:
-    """``(hash -> bitmask of the groups holding it, the bitmask most hashes have, the
-    hashes with another)``. Groups holding the same positions (every full-attention group)
-    are one ``dict.fromkeys`` over the longest list; only the others (window tails, Mamba
-    states: a few blocks) are merged hash by hash."""
-    if len(held) == 1:  # one group (full attention alone)
-        ((g, hs),) = held.items()
-        return dict.fromkeys(hs, 1 << g), 1 << g, []
-    lists = sorted(((list(hs), g) for g, hs in held.items()), key=lambda t: -len(t[0]))
-    if not lists:
-        return {}, 0, []
-    first = lists[0][0]
-    bits = 0
-    rest = []
-    for hs, g in lists:
-        if hs == first:
-            bits |= 1 << g
-        else:
-            rest.append((hs, 1 << g))
-    out = dict.fromkeys(first, bits)
-    odd = []
-    for hs, bit in rest:
-        for h in hs:
-            out[h] = out.get(h, 0) | bit
-            odd.append(h)
-    return out, bits, odd
+class Held:
+    """What one routed request recorded on one instance: the handle ``record`` returns
+    and ``settle``/``release`` take back. Iterating it gives its block hashes."""
 
+    __slots__ = ("expiry", "instance", "live", "parts")
 
-# An entry: (instance, expiry, group bitmask, requests holding it). Immutable, so the
-# blocks one request records share one entry (a C-level ``dict.update``), and blocks
-# updated together stay shared: residency and purging then handle runs, not blocks.
-_Entry = tuple[str, float, int, int]
+    def __init__(
+        self, instance: str, expiry: float, parts: list[tuple[_Class, dict[int, int], list[int]]]
+    ) -> None:
+        self.instance = instance
+        self.expiry = expiry
+        self.parts = parts  # (class, its refcounts, this request's hashes in it)
+        self.live = True
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(dict.fromkeys(h for _, _, hs in self.parts for h in hs))
 
 
 class SpeculativeResidency:
-    """``hash -> entry`` (one instance holds it) or ``hash -> {instance: entry}``; read
-    as per-slot position masks."""
+    """Per instance, per class of groups: ``hash -> requests holding it``."""
 
     def __init__(self, ttl_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s = ttl_s
         self._clock = clock
-        self._held: dict[int, _Entry | dict[str, _Entry]] = {}
-        # Answered, awaiting the next batch: instance -> id(hashes) -> hashes. Released
+        self._classes: dict[str, dict[_Class, dict[int, int]]] = {}
+        # Answered, awaiting the next batch: instance -> id(handle) -> handle. Released
         # at that batch, or when they expire if it never comes (an instance publishing no
         # events): kept until then, they grew without bound.
-        self._settled: dict[str, dict[int, list[int]]] = {}
-        # (expiry, instance, hashes) in recording order, hence expiry order: purging looks
-        # only at what expired, not at every entry (a full scan cost ~8% of the router's
-        # CPU under load).
-        self._expiries: deque[tuple[float, str, list[int]]] = deque()
-        self._unexpired: set[int] = set()  # id() of the hash lists still in _expiries
+        self._settled: dict[str, dict[int, Held]] = {}
+        # Handles in recording order, hence expiry order (one TTL): purging looks only at
+        # what expired.
+        self._expiries: deque[Held] = deque()
 
     def now(self) -> float:
         """The clock entries expire by."""
         return self._clock()
 
-    def record(self, instance: str, held: Mapping[int, Iterable[int]]) -> list[int]:
-        """``held``: group_idx -> wire hashes that group will cache on ``instance``.
-        Returns the hashes recorded, to :meth:`release` when the request ends."""
+    def record(
+        self, instance: str, held: Mapping[int, Iterable[int]], whole: int = 0
+    ) -> Held | None:
+        """``held``: group_idx -> wire hashes that group will cache on ``instance``, in
+        prompt order; ``whole``: the groups among them that cache every block of the
+        prompt from the first (full attention). Returns the handle to :meth:`settle` or
+        :meth:`release` when the request ends (None: predict-on-route is off)."""
         if self.ttl_s <= 0:
-            return []
+            return None
         now = self._clock()
-        expiry = now + self.ttl_s
-        # Purge first: an expired request released here still counts in the entries it
-        # holds (none was renewed past its expiry yet, which starts a count afresh).
-        if self._expiries and self._expiries[0][0] <= now:
+        if self._expiries and self._expiries[0].expiry <= now:
             self.purge(now)
-        groups_of, bits, odd = _groups_of(held)
-        store = self._held
-        # One lookup and one write per block in the (large) store; the rest on small dicts.
-        fresh = dict.fromkeys(groups_of, (instance, expiry, bits, 1))
-        for h in odd:
-            fresh[h] = (instance, expiry, groups_of[h], 1)
-        found = list(map(store.get, groups_of))
-        if found.count(None) != len(found):  # blocks held before (a shared prefix)
-            shared = [h for h, v in zip(groups_of, found, strict=True) if v is not None]
-            olds = [v for v in found if v is not None]
-            v = olds[0]
-            if not odd and type(v) is tuple and v[0] == instance and olds.count(v) == len(olds):
-                fresh.update(dict.fromkeys(shared, _renewed(v, instance, expiry, bits, now)))
+        # Groups holding the same blocks are one class: one count per block, not per group.
+        lists: list[tuple[list[int], int, bool]] = []
+        for g, hs in held.items():
+            hs = hs if isinstance(hs, list) else list(hs)
+            if not hs:
+                continue
+            is_whole = bool(whole >> g & 1)
+            for i, (other, bits, w) in enumerate(lists):
+                if w == is_whole and other == hs:
+                    lists[i] = (other, bits | 1 << g, w)
+                    break
             else:
-                fresh.update(self._renew(shared, olds, groups_of, instance, expiry, now))
-        store.update(fresh)
-        recorded = list(groups_of)
-        self._expiries.append((expiry, instance, recorded))
-        self._unexpired.add(id(recorded))
-        return recorded
+                lists.append((hs, 1 << g, is_whole))
+        classes = self._classes.setdefault(instance, {})
+        parts = []
+        for hs, bits, is_whole in lists:
+            key = (bits, is_whole)
+            counts = classes.get(key)
+            if counts is None:
+                counts = classes[key] = {}
+            _count_elements(counts, hs)  # += 1 each, in C (what Counter.update runs)
+            parts.append((key, counts, hs))
+        handle = Held(instance, now + self.ttl_s, parts)
+        self._expiries.append(handle)
+        return handle
 
-    @staticmethod
-    def _renew(
-        hashes: list[int], olds: list, groups_of: dict[int, int], instance: str, expiry: float,
-        now: float,
-    ) -> dict[int, _Entry | dict[str, _Entry]]:  # fmt: skip
-        """New values for blocks held before, one new entry per distinct (old entry, groups)."""
-        out: dict[int, _Entry | dict[str, _Entry]] = {}
-        made: dict[tuple[int, int], _Entry] = {}
-        for h, v in zip(hashes, olds, strict=True):
-            g = groups_of[h]
-            if type(v) is dict:
-                v[instance] = _renewed(v.get(instance), instance, expiry, g, now)
-                out[h] = v
-            elif v[0] != instance:
-                out[h] = {v[0]: v, instance: (instance, expiry, g, 1)}
-            else:
-                key = (id(v), g)
-                e = made.get(key)
-                if e is None:
-                    e = made[key] = _renewed(v, instance, expiry, g, now)
-                out[h] = e
-        return out
-
-    def settle(self, instance: str, hashes: list[int]) -> None:
-        """The request that recorded ``hashes`` on ``instance`` has been answered: release
-        them at the next :meth:`flush` of that instance, or now if their TTL already
-        passed (purged before the answer: no expiry would release them later, and an
-        instance that publishes no events never flushes)."""
-        if id(hashes) not in self._unexpired:
-            self.release(instance, hashes)
+    def settle(self, instance: str, handle: Held | None) -> None:
+        """The request behind ``handle`` has been answered: release it at the next
+        :meth:`flush` of ``instance``, or now if its TTL already passed (nothing to keep)."""
+        if handle is None or not handle.live:
             return
-        self._settled.setdefault(instance, {})[id(hashes)] = hashes
+        self._settled.setdefault(instance, {})[id(handle)] = handle
 
     def flush(self, instance: str) -> None:
         """A batch of ``instance``'s events was applied: hand settled entries to the index."""
         settled = self._settled.pop(instance, None)
-        for hashes in settled.values() if settled else ():
-            self.release(instance, hashes)
+        for handle in settled.values() if settled else ():
+            self.release(instance, handle)
 
-    def release(self, instance: str, hashes: Iterable[int]) -> None:
-        """Drop the entries of one request, unless another request in flight holds them."""
-        store = self._held
-        hashes = hashes if isinstance(hashes, list) else list(hashes)
-        for v, run in groupby(zip(map(store.get, hashes), hashes, strict=True), _first):
-            if v is None:
-                continue
-            if type(v) is dict:
-                for holders, h in run:
-                    e = holders.get(instance)
-                    if e is None:
-                        continue
-                    if e[3] > 1:
-                        holders[instance] = (*e[:3], e[3] - 1)  # type: ignore[assignment]
-                        continue
-                    del holders[instance]
-                    if not holders:
-                        del store[h]
-            elif v[0] == instance:  # a run sharing one entry: one new entry, or none
-                keys = map(_second, run)
-                if v[3] > 1:
-                    store.update(dict.fromkeys(keys, (*v[:3], v[3] - 1)))
+    def release(self, instance: str, handle: Held | None) -> None:
+        """Take one request's blocks back (each stays held while another request holds it).
+        Releasing twice, or after the instance was forgotten, does nothing."""
+        if handle is None or not handle.live:
+            return
+        handle.live = False
+        classes = self._classes.get(instance)
+        for key, counts, hs in handle.parts:
+            for h in hs:  # one touch per block: faster than C passes over a large dict
+                v = counts[h]
+                if v > 1:
+                    counts[h] = v - 1
                 else:
-                    deque(map(store.__delitem__, keys), maxlen=0)
+                    del counts[h]
+            if not counts and classes and classes.get(key) is counts:
+                del classes[key]  # no request holds anything of it
 
     def residency(
         self, block_hashes: Sequence[int], instances: Iterable[str]
     ) -> dict[str, Residency]:
         """Per instance, GPU-slot bitmasks over ``block_hashes`` positions (absent: none)."""
-        if not self._held:
+        if not self._classes:
             return {}
         now = self._clock()
-        wanted = set(instances)
-        # Positions per (instance, group set), a run of blocks sharing one entry at a time
-        # (groupby runs in C); spread over the groups' GPU slots once at the end.
-        acc: dict[tuple[str, int], int] = {}
-        lo = 0
-        for v, run in groupby(map(self._held.get, block_hashes)):
-            hi = lo + len(list(run))
-            if v is not None:
-                mask = (1 << hi) - (1 << lo)
-                for e in v.values() if type(v) is dict else (v,):  # type: ignore[attr-defined]
-                    if e[1] > now and e[0] in wanted:
-                        key = (e[0], e[2])
-                        acc[key] = acc.get(key, 0) | mask
-            lo = hi
+        if self._expiries and self._expiries[0].expiry <= now:
+            self.purge(now)
+        n = len(block_hashes)
+        if not n:
+            return {}
+        first, last = block_hashes[0], block_hashes[-1]
+        positions: dict[int, int] | None = None
         out: dict[str, Residency] = {}
-        for (name, groups), positions in acc.items():
-            res = out.setdefault(name, {})
-            for slot in _gpu_slots(groups):
-                res[slot] = res.get(slot, 0) | positions
+        for name in instances:
+            classes = self._classes.get(name)
+            if not classes:
+                continue
+            res: Residency = {}
+            for (bits, is_whole), counts in classes.items():
+                if is_whole:  # a prefix: bisect for its end
+                    if first not in counts:
+                        continue
+                    if last in counts:
+                        mask = (1 << n) - 1
+                    else:  # block_hashes[lo - 1] held, block_hashes[hi - 1] not
+                        lo, hi = 1, n
+                        while hi - lo > 1:
+                            mid = (lo + hi) >> 1
+                            if block_hashes[mid - 1] in counts:
+                                lo = mid
+                            else:
+                                hi = mid
+                        mask = (1 << lo) - 1
+                else:
+                    if positions is None:
+                        positions = dict(zip(block_hashes, range(n), strict=True))
+                    common = counts.keys() & positions.keys()  # iterates the smaller
+                    if not common:
+                        continue
+                    mask = 0
+                    for h in common:
+                        mask |= 1 << positions[h]
+                for slot in _gpu_slots(bits):
+                    res[slot] = res.get(slot, 0) | mask
+            if res:
+                out[name] = res
         return out
 
     def forget(self, instance: str) -> None:
+        """The instance is gone: drop what was recorded on it (its handles go dead)."""
         self._settled.pop(instance, None)
-        store = self._held
-        dead = []
-        for h, v in store.items():
-            if type(v) is dict:
-                v.pop(instance, None)
-                if not v:
-                    dead.append(h)
-            elif v[0] == instance:  # type: ignore[index]
-                dead.append(h)
-        for h in dead:
-            del store[h]
-        self.purge(self._clock())
+        if self._classes.pop(instance, None) is None:
+            return
+        for handle in self._expiries:
+            if handle.instance == instance:
+                handle.live = False
 
     def purge(self, now: float) -> None:
-        """Drop the entries that expired by ``now``."""
-        queue, store = self._expiries, self._held
-        get = store.get
-        while queue and queue[0][0] <= now:
-            _, name, hashes = queue.popleft()
-            self._unexpired.discard(id(hashes))
-            settled = self._settled.get(name)
-            if settled and settled.pop(id(hashes), None) is not None:
-                self.release(name, hashes)  # answered: released as that batch would
-            for v, run in groupby(zip(map(get, hashes), hashes, strict=True), _first):
-                if v is None:
-                    continue
-                if type(v) is not dict:
-                    if v[1] <= now and v[0] == name:  # a run recorded together: in C
-                        deque(map(store.__delitem__, map(_second, run)), maxlen=0)
-                    continue
-                for holders, h in run:
-                    e = holders.get(name)
-                    if e is not None and e[1] <= now:
-                        del holders[name]
-                        if not holders:
-                            del store[h]
+        """Release the requests whose TTL passed by ``now``."""
+        queue = self._expiries
+        while queue and queue[0].expiry <= now:
+            handle = queue.popleft()
+            settled = self._settled.get(handle.instance)
+            if settled:
+                settled.pop(id(handle), None)
+            self.release(handle.instance, handle)
 
     def __len__(self) -> int:
-        return len(self._held)
-
-
-def _renewed(e: _Entry | None, instance: str, expiry: float, groups: int, now: float) -> _Entry:
-    """``e`` held once more until ``expiry`` (a fresh entry where it had expired)."""
-    if e is None or e[1] <= now:
-        return (instance, expiry, groups, 1)
-    return (instance, expiry, e[2] | groups, e[3] + 1)
+        """Distinct (instance, class, block) entries held."""
+        return sum(len(c) for classes in self._classes.values() for c in classes.values())

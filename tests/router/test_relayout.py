@@ -92,3 +92,18 @@ async def test_a_decision_never_forwarded_is_not_kept_past_its_ttl() -> None:
         await router.decide({"prompt": f"{i} {TURN}"}, "completion")
         t[0] += settings.speculative_ttl_s / 4
     assert len(router._recorded["a"]) <= 5
+
+
+async def test_a_branch_predicted_before_the_layout_keeps_its_resume_point() -> None:
+    """A branch routed while only the default layout was known scored a hit where it left
+    the trunk; under the learned layout that hit is a junction, where vLLM keeps the
+    window tail for the next sibling. Re-recorded without it, the sibling scored none."""
+    layouts, router = setup()
+    await router.decide({"prompt": TURN}, "completion")
+    branch = await router.decide({"prompt": TURN[:800] + "a branch" * 40}, "completion")
+    assert branch.candidates["a"].gpu_tokens == 800  # full attention alone: a hit
+    layouts.observe("a", batch(*gemma_events()))
+    sibling = await router.decide(
+        {"prompt": TURN[:800] + "its sibling" * 30}, "completion", record=False
+    )
+    assert sibling.candidates["a"].gpu_tokens == 800

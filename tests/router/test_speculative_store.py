@@ -1,0 +1,115 @@
+"""The speculative store's bookkeeping: refcounts per class of groups, prefixes found by
+bisection. Checked against a plain model (every live request's blocks, per group) under
+random interleavings of record, settle, flush, release, expiry and forget."""
+
+from __future__ import annotations
+
+import random
+
+from router.index.base import Tier, slot_of
+from router.speculative import SpeculativeResidency
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _chain(root: int, n: int) -> list[int]:
+    """Distinct hashes naming their prefix, as vLLM's chained block hashes do."""
+    out, h = [], root
+    for i in range(n):
+        h = hash((h, i)) & (2**63 - 1)
+        out.append(h)
+    return out
+
+
+def _model(live: list, block_hashes: list[int], instances: list[str]) -> dict:
+    out: dict = {}
+    pos = {h: i for i, h in enumerate(block_hashes)}
+    for inst, held in live:
+        if inst not in instances:
+            continue
+        for g, hs in held.items():
+            mask = sum(1 << pos[h] for h in hs if h in pos)
+            if mask:
+                res = out.setdefault(inst, {})
+                slot = slot_of(g, int(Tier.GPU))
+                res[slot] = res.get(slot, 0) | mask
+    return out
+
+
+def test_residency_matches_a_plain_model_under_random_operations() -> None:
+    rng = random.Random(7)
+    clock = Clock()
+    spec = SpeculativeResidency(ttl_s=2.0, clock=clock)
+    roots = [_chain(r, 12) for r in range(3)]
+    instances = ["a", "b", "c"]
+    handles: list = []  # (handle, instance, held, expiry, state)
+    for _ in range(3000):
+        clock.t += rng.choice([0.0, 0.01, 0.3])
+        op = rng.random()
+        if op < 0.4:
+            root = rng.choice(roots)
+            prompt = root[: rng.randint(1, 12)] + _chain(rng.getrandbits(32), rng.randint(0, 6))
+            tails = prompt[-2:] if len(prompt) > 2 else prompt
+            held = {0: tails, 3: prompt} if rng.random() < 0.7 else {0: prompt}
+            whole = 0b1000 if 3 in held else 0b1
+            inst = rng.choice(instances)
+            h = spec.record(inst, held, whole)
+            handles.append([h, inst, held, clock.t + 2.0, "live"])
+        elif op < 0.55 and handles:
+            e = rng.choice(handles)
+            spec.settle(e[1], e[0])
+            if e[4] == "live" and e[3] > clock.t:
+                e[4] = "settled"
+        elif op < 0.7:
+            inst = rng.choice(instances)
+            spec.flush(inst)
+            for e in handles:
+                if e[1] == inst and e[4] == "settled":
+                    e[4] = "gone"
+        elif op < 0.8 and handles:
+            e = rng.choice(handles)
+            spec.release(e[1], e[0])
+            e[4] = "gone"
+        elif op < 0.81:
+            inst = rng.choice(instances)
+            spec.forget(inst)
+            for e in handles:
+                if e[1] == inst:
+                    e[4] = "gone"
+        else:
+            root = rng.choice(roots)
+            query = root[: rng.randint(1, 12)] + _chain(rng.getrandbits(32), rng.randint(0, 3))
+            live = [(e[1], e[2]) for e in handles if e[4] != "gone" and e[3] > clock.t]
+            assert spec.residency(query, instances) == _model(live, query, instances)
+
+
+def test_a_released_request_leaves_no_group_behind() -> None:
+    """Two requests sharing blocks under different groups: releasing one drops its groups
+    (the old per-block entries merged groups and kept them after a release)."""
+    spec = SpeculativeResidency(ttl_s=2.0, clock=Clock())
+    blocks = _chain(1, 4)
+    before = spec.record("a", {0: blocks}, whole=0b1)  # assumed full attention in group 0
+    after = spec.record("a", {0: blocks[-1:], 1: blocks}, whole=0b10)  # learned: window + full
+    spec.release("a", before)
+    assert spec.residency(blocks, ["a"]) == {"a": {0: 0b1000, 2: 0b1111}}
+    spec.release("a", after)
+    spec.release("a", after)  # twice: nothing more
+    assert spec.residency(blocks, ["a"]) == {}
+    assert len(spec) == 0
+
+
+def test_a_prefix_is_found_inside_a_longer_prompt() -> None:
+    """A query longer than what is held, or branching off it, sees the shared prefix."""
+    spec = SpeculativeResidency(ttl_s=2.0, clock=Clock())
+    prompt = _chain(5, 10)
+    spec.record("a", {0: prompt}, whole=0b1)
+    branch = prompt[:6] + _chain(99, 9)
+    assert spec.residency(branch, ["a", "b"]) == {"a": {0: (1 << 6) - 1}}
+    assert spec.residency(prompt + _chain(3, 5), ["a"]) == {"a": {0: (1 << 10) - 1}}
+    assert spec.residency(_chain(6, 3), ["a"]) == {}
