@@ -96,5 +96,5 @@ def retained_prompt_blocks(
         full = num_prompt_tokens // bs
         mask = cacheable_mask(spec, alignment, boundaries, 0, full)
         blocks = range(full) if mask is None else [i for i in range(full) if mask[i]]
-        out.append((g, [(i + 1) * r - 1 for i in blocks]))
+        out.append((g, list(blocks) if r == 1 else [(i + 1) * r - 1 for i in blocks]))
     return out

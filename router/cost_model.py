@@ -105,14 +105,9 @@ class TtftFit:
     def added(self, work_s: float, observed_s: float, requests: float = 0.0) -> TtftFit:
         """A copy with one more point (``add``); this fit stays as it was, for the
         decisions that were made with it and read their predictions later."""
+        # The sums are shared, not copied: ``add`` builds new lists, never changes these.
         new = TtftFit(
-            self.decay,
-            self.n,
-            [row[:] for row in self.xx],
-            self.xy[:],
-            self.fixed_s,
-            self.scale,
-            self.per_request_s,
+            self.decay, self.n, self.xx, self.xy, self.fixed_s, self.scale, self.per_request_s
         )
         new.add(work_s, observed_s, requests)
         return new

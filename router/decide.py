@@ -120,10 +120,14 @@ class Router:
         instances: Sequence[Instance] | None = None,
         lora: tuple[str, str | None] | None = None,
         session: str | None = None,
+        predict: bool | None = None,
     ) -> RouteDecision | None:
-        """None when no instance is healthy. ``record``: predict-on-route for the chosen
-        instance now, with no await between choosing and recording, so a burst's next
-        request already sees it (``/debug/route`` passes False). ``instances``: the
+        """None when no instance is healthy. ``record``: the decision counts (session
+        affinity; ``/debug/route`` passes False). ``predict`` (default: ``record``):
+        predict-on-route for the chosen instance now, with no await between choosing and
+        recording, so a burst's next request already sees it; the proxy passes False and
+        records through ``routed`` once the request is written upstream, with no await
+        in between either (``router.proxy``). ``instances``: the
         request's pool (``router.models``; default every healthy one); ``lora``: the
         adapter it names, ``(name, path)``, an extra key of every block as in vLLM;
         ``session``: its session key (``router.affinity``, applied after the ranking)."""
@@ -202,7 +206,7 @@ class Router:
         out.affinity = affinity
         if ids:
             out.hash_input = (ids, salt, lora)
-        if record:
+        if record if predict is None else predict:
             self.routed(out, decision.instance)
         return out
 
@@ -256,7 +260,9 @@ class Router:
                 positions = positions[: bisect_left(positions, n)]
             if positions and positions[-1] == len(positions) - 1:
                 whole |= 1 << g
-            per_group[g] = list(map(take, positions))
+                per_group[g] = hashes[: len(positions)]
+            else:
+                per_group[g] = list(map(take, positions))
         handle = self.speculative.record(instance, per_group, whole)
         if handle is None:
             return

@@ -62,9 +62,10 @@ async def route_request(
     session = state.affinity.session_key(HeaderView(headers), data)
     decision = None
     try:
-        decision = await state.router.decide(
-            data, kind, record=forward, instances=candidates, lora=lora, session=session
-        )
+        decision = await state.router.decide(  # predicted once written upstream (proxy)
+            data, kind, record=forward, instances=candidates, lora=lora, session=session,
+            predict=False,
+        )  # fmt: skip
     finally:
         if decision is None and ticket is not None:
             ticket.release()  # not routed: none healthy, an error, the client gone

@@ -53,9 +53,10 @@ class _Failure(NamedTuple):
 
 
 class Reply:
-    """An answer ready to send over ASGI: status, headers, body (or a relay)."""
+    """An answer ready to send over ASGI: status, headers, body (or a relay). ``after``
+    runs once it is sent (or sending failed): bookkeeping the client need not wait for."""
 
-    __slots__ = ("body", "headers", "relay", "status")
+    __slots__ = ("after", "body", "headers", "relay", "status")
 
     def __init__(
         self,
@@ -63,19 +64,25 @@ class Reply:
         headers: list[tuple[bytes, bytes]],
         body: bytes = b"",
         relay: Callable[[Send, Receive], Awaitable[None]] | None = None,
+        after: Callable[[], None] | None = None,
     ) -> None:
         self.status = status
         self.headers = headers
         self.body = body
         self.relay = relay
+        self.after = after
 
     async def send(self, send: Send, receive: Receive) -> None:
-        if self.relay is not None:
-            await self.relay(send, receive)
-            return
-        headers = [*self.headers, (b"content-length", str(len(self.body)).encode())]
-        await send({"type": "http.response.start", "status": self.status, "headers": headers})
-        await send({"type": "http.response.body", "body": self.body})
+        try:
+            if self.relay is not None:
+                await self.relay(send, receive)
+                return
+            headers = [*self.headers, (b"content-length", str(len(self.body)).encode())]
+            await send({"type": "http.response.start", "status": self.status, "headers": headers})
+            await send({"type": "http.response.body", "body": self.body})
+        finally:
+            if self.after is not None:
+                self.after()
 
 
 def error_reply(message: str, status: int, err_type: str = "BadRequestError") -> Reply:
@@ -173,8 +180,7 @@ class Forwarder:
         inst.inflight_requests += 1
         inst.inflight_prefill_tokens += uncached
         m.inflight.set(inst.inflight_requests)
-        if self.on_routed:
-            self.on_routed(decision, url)
+        on_routed = self.on_routed
         t0 = time.perf_counter()
         resp: UpstreamResponse | None = None
         committed = False
@@ -183,7 +189,13 @@ class Forwarder:
             if inst.route_headers:  # a data-parallel rank: vLLM's X-data-parallel-rank
                 headers = [h for h in headers if h[0].lower() != b"x-data-parallel-rank"]
                 headers += inst.route_header_bytes
-            resp = await self.pool.post(inst.http_url, path, raw_body, headers)
+            resp = await self.pool.post(
+                inst.http_url,
+                path,
+                raw_body,
+                headers,
+                (lambda: on_routed(decision, url)) if on_routed else None,
+            )
             t_head = time.perf_counter()
             self.metrics.stage_upstream_headers.observe(t_head - t0)
             if resp.status >= 500:
@@ -218,10 +230,6 @@ class Forwarder:
         ttft = time.perf_counter() - t0
         self.metrics.stage_upstream_first_byte.observe(ttft)
         m.ttft.observe(ttft)
-        if streaming and resp.status == 200:
-            part = decision.decision.breakdown.get(url)
-            if part is not None:
-                self.policy.observe(url, part, ttft)
         inst.served += 1
         out = [
             (k.encode(), v.encode("latin-1", "replace"))
@@ -234,11 +242,16 @@ class Forwarder:
             out.append((b"x-kvroute-predicted-hit", str(gpu + cpu).encode()))
         (m.ok if resp.status < 400 else m.upstream_4xx).inc()
         if streaming and resp.status < 400:
-            return Reply(resp.status, out, relay=self._relay(inst, resp, first, decision, out))
-        self._finish(inst, resp.status, first, decision, streaming=False)
-        if self.on_done:
-            self.on_done(decision, url)
-        return Reply(resp.status, out, first)
+            relay = self._relay(inst, resp, first, decision, out, ttft)
+            return Reply(resp.status, out, relay=relay)
+        status = resp.status
+
+        def after() -> None:  # once the answer is on its way to the client
+            self._finish(inst, status, first, decision, streaming=False)
+            if self.on_done:
+                self.on_done(decision, url)
+
+        return Reply(status, out, first, after=after)
 
     def _relay(
         self,
@@ -247,6 +260,7 @@ class Forwarder:
         first: bytes,
         decision: RouteDecision,
         headers: list[tuple[bytes, bytes]],
+        ttft: float,
     ) -> Callable[[Send, Receive], Awaitable[None]]:
         async def relay(send: Send, receive: Receive) -> None:
             m = self.metrics.instance(inst.url)
@@ -271,6 +285,10 @@ class Forwarder:
                 await send(start)
                 if first:
                     await send({"type": "http.response.body", "body": first, "more_body": True})
+                if resp.status == 200:  # calibrate once the first chunk is on its way
+                    part = decision.decision.breakdown.get(inst.url)
+                    if part is not None:
+                        self.policy.observe(inst.url, part, ttft)
                 try:
                     while chunk := await resp.readany():
                         tail += chunk

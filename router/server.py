@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from router.app import create_app
 from router.config import RouterSettings
 from router.fastpath import ProxyEndpoints
+from router.http_protocol import HttpProtocol
 from router.state import RouterState
 
 __all__ = ["build_app", "serve"]
@@ -55,6 +56,7 @@ def serve(settings: RouterSettings) -> None:
         app,
         host=settings.host,
         port=settings.port,
+        http=HttpProtocol,  # a response's head and body in one write
         log_level=settings.log_level,
         access_log=False,
         proxy_headers=False,  # never trust a client's X-Forwarded-*; and one layer less

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -240,7 +241,7 @@ class UpstreamPool:
         conn.idle_since = time.monotonic()
         self._idle.setdefault(conn.key, []).append(conn)
 
-    async def _conn(self, key: tuple[str, int]) -> _Conn:
+    def _pooled(self, key: tuple[str, int]) -> _Conn | None:
         idle = self._idle.get(key)
         if idle:
             cutoff = time.monotonic() - self.keepalive_s
@@ -249,6 +250,9 @@ class UpstreamPool:
                 if not conn.closed and conn.idle_since > cutoff:
                     return conn
                 conn.close()
+        return None
+
+    async def _connect(self, key: tuple[str, int]) -> _Conn:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
@@ -271,11 +275,24 @@ class UpstreamPool:
         return t
 
     async def post(
-        self, base: str, path: str, body: bytes, headers: list[tuple[bytes, bytes]]
+        self,
+        base: str,
+        path: str,
+        body: bytes,
+        headers: list[tuple[bytes, bytes]],
+        on_sent: Callable[[], None] | None = None,
     ) -> UpstreamResponse:
-        """Send ``POST base+path``; returns once the response head is in."""
+        """Send ``POST base+path``; returns once the response head is in. ``on_sent``
+        runs as soon as the request is written (the engine starts on it while the
+        router finishes its bookkeeping), or before connecting when no pooled connection
+        is free: either way before the first await that suspends."""
         key, host = self._target(base)
-        conn = await self._conn(key)
+        conn = self._pooled(key)
+        if conn is None:
+            if on_sent is not None:
+                on_sent()
+                on_sent = None
+            conn = await self._connect(key)
         resp = conn.resp = UpstreamResponse(conn)
         conn.parser = httptools.HttpResponseParser(conn)
         parts = [b"POST ", path.encode(), b" HTTP/1.1\r\nhost: ", host, b"\r\n"]
@@ -284,6 +301,8 @@ class UpstreamPool:
         parts += (b"content-length: ", str(len(body)).encode(), b"\r\n\r\n", body)
         assert conn.transport is not None
         conn.transport.write(b"".join(parts))
+        if on_sent is not None:
+            on_sent()
         loop = asyncio.get_running_loop()
         resp._timer = loop.call_later(
             self.request_timeout_s, resp._error, TimeoutError("upstream request timed out")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import pytest
+import zmq
 from eventskit import (
     FakeReplayServer,
     RawPub,
@@ -276,6 +278,18 @@ async def test_start_seq_without_replay_reports_the_unrecoverable_prefix(ports):
     pub.close()
 
 
+async def rebind(kwargs: dict) -> ZmqEventPublisher:
+    """A publisher on the ports one just shut down: bound once the old sockets let go."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        try:
+            return ZmqEventPublisher(**kwargs)
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
 async def test_publisher_restart_on_same_port_yields_source_restarted_before_new_batches(ports):
     port, rport = ports
     kwargs = {
@@ -295,23 +309,25 @@ async def test_publisher_restart_on_same_port_yields_source_restarted_before_new
                     items.append(await next_item(sub, 0.01))
                 except TimeoutError:
                     break
-        return items
+        return items, n
 
     async with ZmqEventSubscriber(
         f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}", replay_timeout=1.0
     ) as sub:
         old = ZmqEventPublisher(**kwargs)
-        before = await publish_until(old, sub, 5)
+        before, sent = await publish_until(old, sub, 5)
         old.shutdown()
-        while True:  # batches of the old incarnation still in flight
+        # Batches of the old incarnation still in flight: until its last one is in (on a
+        # loaded machine one straggled past a fixed 0.3 s wait), or none comes for 2 s.
+        while before[-1].seq < sent - 1:
             try:
-                before.append(await next_item(sub, 0.3))
+                before.append(await next_item(sub, 2.0))
             except TimeoutError:
                 break
-        new = ZmqEventPublisher(**kwargs)  # same ports, counter back at 0
+        new = await rebind(kwargs)  # same ports, counter back at 0
         new.data_parallel_rank = 7  # distinguishes its batches' ts
         try:
-            after = await publish_until(new, sub, 3)
+            after, _ = await publish_until(new, sub, 3)
         finally:
             new.shutdown()
     assert all(isinstance(it, BatchReceived) for it in before)

@@ -3,6 +3,7 @@ through byte for byte, per-stage and index metrics exported, one ``build_router`
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -136,3 +137,45 @@ def test_build_router_pairs_the_full_only_baseline_and_instruments_the_index_onc
     assert baseline.policy.name == "prefix_full_only" and cost.policy.name == "cost"
     assert isinstance(baseline.index, InstrumentedIndex) and baseline.index.inner is index
     assert cost.index is baseline.index  # an instrumented index is not wrapped again
+
+
+class HeldUpstream(Upstream):
+    """Holds the first POST until ``release`` is set (``got``: it arrived); answers the
+    ones that come while it is held at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.got = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def answer(self, head: bytes, body: bytes, reader, writer) -> bool:  # type: ignore[no-untyped-def]
+        if not self.got.is_set():
+            self.got.set()
+            await self.release.wait()
+        return await super().answer(head, body, reader, writer)
+
+
+async def test_a_routed_request_is_predicted_on_fresh_and_kept_connections() -> None:
+    """Predict-on-route on the proxy path happens as the request is written upstream (on a
+    kept-alive connection) or before connecting: a second request with the same prompt,
+    sent while the first is held by the engine, is credited with its blocks."""
+    up = HeldUpstream()
+    async with up:
+        state = RouterState(RouterSettings(instances=[up.url], engine_metrics=False))
+        await state.start()
+        try:
+            transport = httpx.ASGITransport(app=create_app(state))
+            async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+                for turn in range(2):  # fresh connections, then kept-alive ones
+                    prompt = f"turn {turn} " + "a long shared prompt " * 40
+                    first = asyncio.create_task(c.post("/v1/completions", json={"prompt": prompt}))
+                    await asyncio.wait_for(up.got.wait(), 10)
+                    second = await c.post("/v1/completions", json={"prompt": prompt})
+                    assert int(second.headers["x-kvroute-predicted-hit"]) > 0, turn
+                    up.release.set()
+                    assert (await first).status_code == 200
+                    up.got.clear()
+                    up.release.clear()
+                assert up.connections == 2  # the second turn went over kept-alive ones
+        finally:
+            await state.stop()
