@@ -236,6 +236,11 @@ class Router:
         return out
 
     def routed(self, decision: RouteDecision, instance: str) -> None:
+        """``decision`` is sent to ``instance``: the policy counts it, and predict-on-route."""
+        self.policy.assigned(instance, decision.uncached(instance))
+        self._predict(decision, instance)
+
+    def _predict(self, decision: RouteDecision, instance: str) -> None:
         """Predict-on-route: the blocks the chosen instance will cache for this prompt,
         per group, as vLLM retains them (``events.retention``)."""
         hashes = decision.block_hashes(instance)
@@ -310,7 +315,7 @@ class Router:
                 ids, salt, lora = decision.hash_input  # vLLM hashes at another block size
                 decision.hashes[size] = self.prompt_hashes.wire_hashes(ids, size, salt, lora)
             decision.hash_size[instance] = size
-            self.routed(decision, instance)
+            self._predict(decision, instance)
 
     async def explain(self, decision: RouteDecision) -> dict[str, Any]:
         """``/debug/route``: per instance hits per tier and group, queue terms, TTFT."""

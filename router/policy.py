@@ -43,7 +43,13 @@ per-instance fit ``fixed + scale * work + per_request * requests`` learned at de
 (``cost_model.TtftFit``, shrunk toward the fleet's fit while an instance has few points).
 The fleet's fitted scale converts the objective to seconds. ``/debug/route`` shows every
 term and ``Decision.reason`` (min_cost, sticky, sampled). Ties are broken by the least
-load, then at random -- never by list order, so idle cold traffic spreads out. An optional
+load, then by the fewest uncached tokens routed there lately (``assigned``: decayed with
+``recent_half_life_s``; what sglang-router's cache-aware policy reads as the smallest
+tree), then at random -- never by list order. A new conversation on an idle fleet thus
+goes where the fewest others were placed, whose cache and future turns it will share:
+on the suite (5 seeds) reuse on (a) went 56.7 -> 58.6% (p90 311 -> 301 ms) and on (e)
+38.3 -> 39.4% (p90 96 -> 90 ms), the rest unchanged; the half-life (3-30 s) did not
+matter. An optional
 softmax temperature samples on the objective instead of taking the minimum.
 
 The ranking reads only the objective, a few operations per candidate. Each ``Breakdown``
@@ -122,6 +128,13 @@ class LeastLoadedPolicy(Policy):
 class _Model:
     backlog: Backlog = field(default_factory=Backlog)
     fit: TtftFit = field(default_factory=TtftFit)
+    recent: float = 0.0  # uncached tokens routed here, decayed, as of ``recent_t``
+    recent_t: float = 0.0
+
+    def recent_at(self, now: float, half_life_s: float) -> float:
+        if not self.recent:
+            return 0.0
+        return self.recent * 0.5 ** ((now - self.recent_t) / half_life_s)
 
 
 class CostPolicy(Policy):
@@ -144,6 +157,7 @@ class CostPolicy(Policy):
         stick_margin: float = 0.25,
         min_sticky_fraction: float = 0.1,
         fit_decay: float = 0.95,
+        recent_half_life_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
@@ -159,6 +173,7 @@ class CostPolicy(Policy):
         self.stick_margin = stick_margin
         self.min_sticky_fraction = min_sticky_fraction
         self.fit_decay = fit_decay
+        self.recent_half_life_s = recent_half_life_s
         self.clock = clock
         self.models: dict[str, _Model] = {}
         self.fleet = TtftFit(fit_decay)  # every observation: the prior of a new instance
@@ -244,6 +259,7 @@ class CostPolicy(Policy):
         models, fleet = self.models, self.fleet
         rate = self.defaults.prefill_s_per_token
         scale, junction = fleet.scale, self.junction_credit
+        half_life = self.recent_half_life_s
         exponent = self.exponent(n, best_hit, holder)
         # Per candidate only what the ranking reads (``breakdown``'s objective, inlined:
         # this loop runs per instance per decision) and the backlog update, which must
@@ -273,13 +289,15 @@ class CostPolicy(Policy):
             objective = scale * effective * rate * (1 + requests + running + others) ** exponent
             inputs[name] = (c, queued, fit, objective, credited)
             # The ranking key: the objective to 12 digits (round() formats the float: once
-            # per distinct value), then load (``_load_key``), then the shuffled order.
+            # per distinct value), then load (``_load_key``), then the work routed there
+            # lately, then the shuffled order.
             key = rounded.get(objective)
             if key is None:
                 key = rounded[objective] = round(objective, 12)
-            keys.append((key, inflight, requests + waiting, running, i))
+            recent = m.recent_at(now, half_life) if m.recent else 0.0
+            keys.append((key, inflight, requests + waiting, running, recent, i))
         keys.sort()
-        ranked = [shuffled[k[4]].name for k in keys]
+        ranked = [shuffled[k[5]].name for k in keys]
         reason = "min_cost"
         if self.temperature > 0 and len(ranked) > 1:
             best = inputs[ranked[0]][3]
@@ -314,6 +332,14 @@ class CostPolicy(Policy):
         if inputs[holder][3] <= (1 + self.stick_margin) * best:
             return holder
         return None
+
+    def assigned(self, instance: str, uncached_tokens: int) -> None:
+        """A request was routed to ``instance`` with ``uncached_tokens`` to prefill there
+        (the cold tie-break above; ``choose`` alone does not count: ``/debug/route``)."""
+        m = self.model(instance)
+        now = self.clock()
+        m.recent = m.recent_at(now, self.recent_half_life_s) + uncached_tokens
+        m.recent_t = now
 
     def observe(self, instance: str, predicted: Breakdown | float, observed_ttft_s: float) -> None:
         """Fit ``instance``'s TTFT on the raw prediction made when the request was routed

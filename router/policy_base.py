@@ -83,5 +83,8 @@ class Policy:
     def choose(self, candidates: Sequence[Candidate], num_prompt_tokens: int) -> Decision:
         raise NotImplementedError
 
+    def assigned(self, instance: str, uncached_tokens: int) -> None:
+        """A request was routed to ``instance`` (only the cost policy counts it)."""
+
     def observe(self, instance: str, predicted: Breakdown | float, observed_ttft_s: float) -> None:
         """Feedback after a request's first byte (only the cost policy learns from it)."""

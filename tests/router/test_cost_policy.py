@@ -107,6 +107,25 @@ def test_cold_traffic_spreads_by_load_not_list_order():
     assert picks == {"b", "c"}
 
 
+def test_cold_ties_go_where_the_least_work_was_routed_lately():
+    """Equal cost and load: the instance given the fewest uncached tokens lately wins
+    (sglang-router's smallest tree), whatever the shuffle; what only ``choose`` saw
+    (``/debug/route``) is not counted, and the count fades with its half-life."""
+    clock = Clock()
+    cands = [Candidate("a"), Candidate("b"), Candidate("c")]
+    for seed in range(20):
+        p = CostPolicy(rng=random.Random(seed), clock=clock, recent_half_life_s=10.0)
+        p.assigned("a", 3000)
+        p.assigned("c", 1000)
+        for _ in range(5):
+            assert p.choose(cands, 1000).ranked == ["b", "c", "a"]
+        clock.t += 100.0  # ten half-lives: 3000 -> 2.9, 1000 -> 1.0
+        assert p.choose(cands, 1000).ranked[:2] == ["b", "c"]
+        p.assigned("b", 500)
+        assert p.choose(cands, 1000).instance == "c"
+        clock.t = 0.0
+
+
 def test_engine_waiting_does_not_count_our_own_requests_twice():
     p = policy()
     mine = Candidate("a", inflight_requests=2, engine_waiting=2)

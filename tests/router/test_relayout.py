@@ -107,3 +107,16 @@ async def test_a_branch_predicted_before_the_layout_keeps_its_resume_point() -> 
         {"prompt": TURN[:800] + "its sibling" * 30}, "completion", record=False
     )
     assert sibling.candidates["a"].gpu_tokens == 800
+
+
+async def test_routing_counts_for_the_cold_tie_break_once() -> None:
+    """Routed work counts toward the cold tie-break (``CostPolicy.assigned``); a look that
+    routes nothing (``/debug/route``) and a relayout's re-recording do not."""
+    layouts, router = setup()
+    await router.decide({"prompt": TURN}, "completion", record=False)
+    assert router.policy.models.get("a") is None or router.policy.models["a"].recent == 0
+    await router.decide({"prompt": TURN}, "completion")
+    counted = router.policy.models["a"].recent
+    assert counted == 1400  # the whole prompt was uncached
+    layouts.observe("a", batch(*gemma_events()))  # relayout records the prediction again
+    assert router.policy.models["a"].recent == counted
