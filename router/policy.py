@@ -48,8 +48,8 @@ load, then by the fewest uncached tokens routed there lately (``assigned``: deca
 tree), then at random -- never by list order. A new conversation on an idle fleet thus
 goes where the fewest others were placed, whose cache and future turns it will share:
 on the suite (5 seeds) reuse on (a) went 56.7 -> 58.6% (p90 311 -> 301 ms) and on (e)
-38.3 -> 39.4% (p90 96 -> 90 ms), the rest unchanged; the half-life (3-30 s) did not
-matter. An optional
+38.3 -> 41.9% (p90 96 -> 79 ms), the rest unchanged (a first variant, counting at
+``choose``, gave the same figures for half-lives of 3, 10 and 30 s). An optional
 softmax temperature samples on the objective instead of taking the minimum.
 
 The ranking reads only the objective, a few operations per candidate. Each ``Breakdown``
