@@ -19,8 +19,7 @@ Two things the router cannot read from an engine but can learn cheaply:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from operator import itemgetter
+from dataclasses import dataclass
 
 __all__ = ["Backlog", "TtftFit"]
 
@@ -44,9 +43,11 @@ class Backlog:
 
 
 def _solve(a: list[list[float]]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting (the first largest pivot) of the
+    """Gauss-Jordan elimination with partial pivoting (the first largest pivot) of the
     augmented matrix ``a`` (rows ``[*coefficients, value]``, changed in place); None when
-    singular. Plain loops: it runs up to three times per observed response."""
+    singular. Plain loops: it runs up to twice per observed response. A pivot column's
+    entries in the other rows are left as they are (they would be rounding residue that
+    nothing reads again), so each row operation starts right of the pivot."""
     n = len(a)
     for c in range(n):
         p, best = c, abs(a[c][c])
@@ -63,13 +64,9 @@ def _solve(a: list[list[float]]) -> list[float] | None:
             if r != c:
                 row = a[r]
                 f = row[c] / pivot
-                for k in range(c, n + 1):
+                for k in range(c + 1, n + 1):
                     row[k] -= f * pivot_row[k]
     return [a[i][n] / a[i][i] for i in range(n)]
-
-
-# The terms tried, most first: (indices into x, a getter of those columns of a row).
-_TERMS = tuple((idx, itemgetter(*idx)) for idx in ((0, 1, 2), (1, 2), (0, 1)))
 
 
 @dataclass(slots=True)
@@ -77,13 +74,22 @@ class TtftFit:
     """Weighted least squares of observed TTFT on (1, work, requests), forgetting old
     points by ``decay`` per observation (about ``1 / (1 - decay)`` points of memory).
     Implausible solutions (a negative coefficient) fall back to fewer terms, down to a
-    plain ratio of observed to predicted."""
+    plain ratio of observed to predicted.
+
+    The decayed sums of ``x x^T`` and ``x y`` for ``x = (1, w, r)`` are kept as plain
+    floats (``n`` is the sum of 1s): the fit runs twice per observed response, and nested
+    lists cost more to build than the arithmetic."""
 
     decay: float = 0.95
     n: float = 0.0
-    # decayed sums of x x^T and x y for x = (1, work_s, requests)
-    xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
-    xy: list[float] = field(default_factory=lambda: [0.0] * 3)
+    sw: float = 0.0  # sum of w
+    sr: float = 0.0  # sum of r
+    sww: float = 0.0
+    swr: float = 0.0
+    srr: float = 0.0
+    sy: float = 0.0  # sum of y
+    swy: float = 0.0
+    sry: float = 0.0
     fixed_s: float = 0.0
     scale: float = 1.0
     per_request_s: float = 0.0
@@ -91,43 +97,53 @@ class TtftFit:
     def add(self, work_s: float, observed_s: float, requests: float = 0.0) -> None:
         if work_s <= 0 or observed_s <= 0:
             return
-        observed_s = min(max(observed_s, work_s * 1e-4), work_s * 1e4)  # bound an outlier
-        d = self.decay
-        x = (1.0, work_s, float(requests))
-        self.n = self.n * d + 1
-        self.xy = [s * d + xi * observed_s for s, xi in zip(self.xy, x, strict=True)]
-        self.xx = [
-            [r * d + xi * xj for r, xj in zip(row, x, strict=True)]
-            for row, xi in zip(self.xx, x, strict=True)
-        ]
+        y = min(max(observed_s, work_s * 1e-4), work_s * 1e4)  # bound an outlier
+        d, w, r = self.decay, work_s, float(requests)
+        self.n = self.n * d + 1.0
+        self.sw = self.sw * d + w
+        self.sr = self.sr * d + r
+        self.sww = self.sww * d + w * w
+        self.swr = self.swr * d + w * r
+        self.srr = self.srr * d + r * r
+        self.sy = self.sy * d + y
+        self.swy = self.swy * d + w * y
+        self.sry = self.sry * d + r * y
         self._fit()
 
     def added(self, work_s: float, observed_s: float, requests: float = 0.0) -> TtftFit:
         """A copy with one more point (``add``); this fit stays as it was, for the
         decisions that were made with it and read their predictions later."""
-        # The sums are shared, not copied: ``add`` builds new lists, never changes these.
         new = TtftFit(
-            self.decay, self.n, self.xx, self.xy, self.fixed_s, self.scale, self.per_request_s
-        )
+            self.decay, self.n, self.sw, self.sr, self.sww, self.swr, self.srr,
+            self.sy, self.swy, self.sry, self.fixed_s, self.scale, self.per_request_s,
+        )  # fmt: skip
         new.add(work_s, observed_s, requests)
         return new
 
     def _fit(self) -> None:
-        xx, xy = self.xx, self.xy
-        fixed, scale, per = 0.0, xy[1] / xx[1][1] if xx[1][1] else 1.0, 0.0  # ratio
-        # xx[0][1] = sum of work, xy[0] = sum of observed: the ratio of sums is steadier
-        if xx[0][1] > 0:
-            scale = xy[0] / xx[0][1]
-        if self.n >= 6:
-            for idx, pick in _TERMS:
-                sol = _solve([[*pick(xx[i]), xy[i]] for i in idx])
-                if sol is None or min(sol) < 0:
-                    continue
-                coef = dict(zip(idx, sol, strict=True))
-                if coef.get(1, 0.0) <= 0:
-                    continue
-                fixed, scale, per = coef.get(0, 0.0), coef[1], coef.get(2, 0.0)
-                break
+        n, sw, sr, sww, swr, srr = self.n, self.sw, self.sr, self.sww, self.swr, self.srr
+        sy, swy, sry = self.sy, self.swy, self.sry
+        fixed, scale, per = 0.0, swy / sww if sww else 1.0, 0.0  # ratio
+        if sw > 0:  # the ratio of sums (observed over work) is steadier
+            scale = sy / sw
+        if n >= 6:
+            # Most fitted first: (1, w, r), (w, r), (1, w). With no requests term at all
+            # (srr == 0: every r was 0) the first two are singular: not tried.
+            if srr > 0:
+                sol = _solve([[n, sw, sr, sy], [sw, sww, swr, swy], [sr, swr, srr, sry]])
+                if sol is not None and min(sol) >= 0 and sol[1] > 0:
+                    self._set(sol[0], sol[1], sol[2])
+                    return
+                sol = _solve([[sww, swr, swy], [swr, srr, sry]])
+                if sol is not None and min(sol) >= 0 and sol[0] > 0:
+                    self._set(0.0, sol[0], sol[1])
+                    return
+            sol = _solve([[n, sw, sy], [sw, sww, swy]])
+            if sol is not None and min(sol) >= 0 and sol[1] > 0:
+                fixed, scale = sol
+        self._set(fixed, scale, per)
+
+    def _set(self, fixed: float, scale: float, per: float) -> None:
         self.fixed_s, self.scale = fixed, min(max(scale, 1e-4), 1e4)
         self.per_request_s = per
 

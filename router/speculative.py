@@ -25,19 +25,25 @@ released or expires; a block is held while its count is positive. Every step run
 few C-level passes over the request's blocks. A class that holds whole prompts (full
 attention) holds a union of hash chains, which is closed under prefixes -- a chain hash
 names its whole prefix -- so what it holds of a query is a prefix, found by bisection in
-a handful of lookups; the other classes (a few blocks per request) by set intersection.
+a handful of lookups; the other classes (a few blocks per request) by one membership pass.
+The refcounts live in ``router._refcounts.RefCounts`` (C, open addressing, 16 bytes an
+entry) where it was built, else in ``PyRefCounts`` (a dict, the reference): with ~100k
+entries (16 clients, no events) the dict's boxed ints made every pass cache-bound.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import time
+from array import array
 from collections import _count_elements, deque  # type: ignore[attr-defined]
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 from router.index.base import Residency, Tier, slot_of
 
-__all__ = ["Held", "SpeculativeResidency"]
+__all__ = ["Held", "PyRefCounts", "SpeculativeResidency", "refcounts_type"]
 
 _GPU = int(Tier.GPU)
 
@@ -51,6 +57,77 @@ def _gpu_slots(groups: int) -> tuple[int, ...]:
     return tuple(slot_of(g, _GPU) for g in range(groups.bit_length()) if groups >> g & 1)
 
 
+class PyRefCounts:
+    """Block hash -> number of holders: the reference for ``router._refcounts.RefCounts``
+    (the C table the store uses where it was built), same methods and answers."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self) -> None:
+        self._d: dict[int, int] = {}
+
+    def add(self, hashes: Iterable[int]) -> None:
+        """One more holder of each hash."""
+        _count_elements(self._d, hashes)  # += 1 each, in C (what Counter.update runs)
+
+    def remove(self, hashes: Iterable[int]) -> None:
+        """One holder fewer of each hash; a hash held by none leaves (KeyError: not held)."""
+        d = self._d
+        for h in hashes:  # one touch per block: faster than C passes over a large dict
+            v = d[h]
+            if v > 1:
+                d[h] = v - 1
+            else:
+                del d[h]
+
+    def count(self, h: int) -> int:
+        return self._d.get(h, 0)
+
+    def prefix(self, hashes: Sequence[int]) -> int:
+        """How many leading hashes are held, by bisection: exact when what is held is
+        closed under prefixes of ``hashes`` (a union of hash chains)."""
+        d, n = self._d, len(hashes)
+        if not n or hashes[0] not in d:
+            return 0
+        if hashes[-1] in d:
+            return n
+        lo, hi = 1, n  # hashes[lo - 1] held, hashes[hi - 1] not
+        while hi - lo > 1:
+            mid = (lo + hi) >> 1
+            if hashes[mid - 1] in d:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def mask(self, hashes: Sequence[int]) -> int:
+        """Bit i set where ``hashes[i]`` is held."""
+        d, m = self._d, 0
+        for i, h in enumerate(hashes):
+            if h in d:
+                m |= 1 << i
+        return m
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __contains__(self, h: object) -> bool:
+        return h in self._d
+
+
+def refcounts_type() -> type:
+    """The table class the store uses: the C one unless it was not built or
+    ``KVROUTE_NO_NATIVE=1`` is set."""
+    if not os.environ.get("KVROUTE_NO_NATIVE"):
+        try:
+            from router._refcounts import RefCounts
+
+            return RefCounts
+        except ImportError:  # not built (no compiler): the reference, same answers
+            pass
+    return PyRefCounts
+
+
 class Held:
     """What one routed request recorded on one instance: the handle ``record`` returns
     and ``settle``/``release`` take back. Iterating it gives its block hashes."""
@@ -58,7 +135,7 @@ class Held:
     __slots__ = ("expiry", "instance", "live", "parts")
 
     def __init__(
-        self, instance: str, expiry: float, parts: list[tuple[_Class, dict[int, int], list[int]]]
+        self, instance: str, expiry: float, parts: list[tuple[_Class, Any, list[int]]]
     ) -> None:
         self.instance = instance
         self.expiry = expiry
@@ -72,10 +149,20 @@ class Held:
 class SpeculativeResidency:
     """Per instance, per class of groups: ``hash -> requests holding it``."""
 
-    def __init__(self, ttl_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        ttl_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+        table: type | None = None,
+    ) -> None:
         self.ttl_s = ttl_s
         self._clock = clock
-        self._classes: dict[str, dict[_Class, dict[int, int]]] = {}
+        # Refcounts of one class on one instance (``refcounts_type()`` by default).
+        self._table = table if table is not None else refcounts_type()
+        # The C table reads a uint64 array without converting each int: one array per
+        # query for every table asked about it.
+        self._packed = self._table is not PyRefCounts
+        self._classes: dict[str, dict[_Class, Any]] = {}
         # Answered, awaiting the next batch: instance -> id(handle) -> handle. Released
         # at that batch, or when they expire if it never comes (an instance publishing no
         # events): kept until then, they grew without bound.
@@ -119,8 +206,8 @@ class SpeculativeResidency:
             key = (bits, is_whole)
             counts = classes.get(key)
             if counts is None:
-                counts = classes[key] = {}
-            _count_elements(counts, hs)  # += 1 each, in C (what Counter.update runs)
+                counts = classes[key] = self._table()
+            counts.add(hs)
             parts.append((key, counts, hs))
         handle = Held(instance, now + self.ttl_s, parts)
         self._expiries.append(handle)
@@ -147,13 +234,8 @@ class SpeculativeResidency:
         handle.live = False
         classes = self._classes.get(instance)
         for key, counts, hs in handle.parts:
-            for h in hs:  # one touch per block: faster than C passes over a large dict
-                v = counts[h]
-                if v > 1:
-                    counts[h] = v - 1
-                else:
-                    del counts[h]
-            if not counts and classes and classes.get(key) is counts:
+            counts.remove(hs)
+            if not len(counts) and classes and classes.get(key) is counts:
                 del classes[key]  # no request holds anything of it
 
     def residency(
@@ -165,11 +247,9 @@ class SpeculativeResidency:
         now = self._clock()
         if self._expiries and self._expiries[0].expiry <= now:
             self.purge(now)
-        n = len(block_hashes)
-        if not n:
+        if not block_hashes:
             return {}
-        first, last = block_hashes[0], block_hashes[-1]
-        positions: dict[int, int] | None = None
+        keys = array("Q", block_hashes) if self._packed else block_hashes
         out: dict[str, Residency] = {}
         for name in instances:
             classes = self._classes.get(name)
@@ -178,28 +258,14 @@ class SpeculativeResidency:
             res: Residency = {}
             for (bits, is_whole), counts in classes.items():
                 if is_whole:  # a prefix: bisect for its end
-                    if first not in counts:
+                    held = counts.prefix(keys)
+                    if not held:
                         continue
-                    if last in counts:
-                        mask = (1 << n) - 1
-                    else:  # block_hashes[lo - 1] held, block_hashes[hi - 1] not
-                        lo, hi = 1, n
-                        while hi - lo > 1:
-                            mid = (lo + hi) >> 1
-                            if block_hashes[mid - 1] in counts:
-                                lo = mid
-                            else:
-                                hi = mid
-                        mask = (1 << lo) - 1
+                    mask = (1 << held) - 1
                 else:
-                    if positions is None:
-                        positions = dict(zip(block_hashes, range(n), strict=True))
-                    common = counts.keys() & positions.keys()  # iterates the smaller
-                    if not common:
+                    mask = counts.mask(keys)
+                    if not mask:
                         continue
-                    mask = 0
-                    for h in common:
-                        mask |= 1 << positions[h]
                 for slot in _gpu_slots(bits):
                     res[slot] = res.get(slot, 0) | mask
             if res:

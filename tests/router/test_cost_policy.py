@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from router.cost_model import Backlog, TtftFit
@@ -176,6 +177,41 @@ def test_fit_learns_fixed_term_and_rate_at_decision_time():
         fit.add(work, 0.03 + 0.5 * work)  # 30 ms fixed, engine twice as fast as defaults
     assert fit.fixed_s == pytest.approx(0.03, rel=1e-3)
     assert fit.scale == pytest.approx(0.5, rel=1e-3)
+
+
+def test_fit_is_the_weighted_least_squares_solution_with_its_fallbacks():
+    """The fit's normal equations, solved by hand (flat sums, the singular terms skipped),
+    agree with numpy's weighted least squares on the same decayed points: (1, w, r) when
+    requests vary, (1, w) when every point had none, no fixed term when it would be
+    negative."""
+    rng = np.random.default_rng(4)
+    for case in range(60):
+        decay = (0.9, 0.95, 1.0)[case % 3]
+        fit, rows = TtftFit(decay), []
+        for _ in range(int(rng.integers(6, 30))):
+            w = float(rng.uniform(0.005, 1.0))
+            r = float(rng.integers(0, 8)) if case % 4 else 0.0
+            fixed = 0.02 if case % 5 else -0.01  # a negative fixed term: not plausible
+            y = fixed + 0.7 * w + 0.004 * r + float(rng.normal(0, 1e-4))
+            y = max(y, 1e-6)
+            rows = [(x, yy, wt * decay) for x, yy, wt in rows] + [((1.0, w, r), y, 1.0)]
+            fit.add(w, y, r)
+        got = (fit.fixed_s, fit.scale, fit.per_request_s)
+        for cols in ((0, 1, 2), (1, 2), (0, 1)):
+            x = np.array([[row[0][c] for c in cols] for row in rows])
+            y = np.array([row[1] for row in rows])
+            sw = np.sqrt(np.array([row[2] for row in rows]))
+            if np.linalg.matrix_rank(x * sw[:, None]) < len(cols):
+                continue
+            sol = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)[0]
+            if sol.min() < 0:
+                continue
+            coef = dict(zip(cols, sol, strict=True))
+            want = (coef.get(0, 0.0), coef[1], coef.get(2, 0.0))
+            break
+        else:
+            continue  # no term set fits: the plain ratio (covered above)
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-9), case
 
 
 def test_observe_uses_the_prediction_made_at_decision_time():
