@@ -25,6 +25,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
+import msgspec
+
 from router.decide import RouteDecision
 from router.instances import Instance, InstanceRegistry
 from router.metrics import RouterMetrics
@@ -90,25 +92,37 @@ def error_reply(message: str, status: int, err_type: str = "BadRequestError") ->
     return Reply(status, [(b"content-type", b"application/json")], json.dumps(body).encode())
 
 
+class _WithUsage(msgspec.Struct):
+    """An OpenAI response (or stream chunk), read for its ``usage`` only: msgspec skips the
+    rest without building it (~6x faster than ``json.loads`` on every answer)."""
+
+    usage: dict[str, Any] | None = None
+
+
+_usage_of = msgspec.json.Decoder(_WithUsage).decode
+
+
 def parse_usage(tail: bytes, streaming: bool) -> tuple[int, int] | None:
     """``(gpu_tokens, cpu_tokens)`` the engine reported, from the end of its body."""
     try:
         if streaming:
             for line in reversed(tail.split(b"\n")):
                 if line.startswith(b"data: {") and b'"usage"' in line:
-                    usage = json.loads(line[6:]).get("usage") or {}
+                    usage = _usage_of(line[6:]).usage or {}
                     break
             else:
                 return None
         else:
-            usage = json.loads(tail).get("usage") or {}
-    except (ValueError, AttributeError):
+            usage = _usage_of(tail).usage or {}
+    except msgspec.DecodeError:  # not JSON, not an object, a usage that is not one
         return None
     kv = usage.get("kv_hit")
     if isinstance(kv, dict):
-        return int(kv.get("gpu_tokens", 0)), int(kv.get("cpu_tokens", 0))
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    return (int(cached), 0) if isinstance(cached, int) else None
+        gpu, cpu = kv.get("gpu_tokens", 0), kv.get("cpu_tokens", 0)
+        return (gpu, cpu) if type(gpu) is int and type(cpu) is int else None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return (cached, 0) if type(cached) is int else None
 
 
 class Forwarder:
