@@ -283,7 +283,8 @@ class Forwarder:
             tail = bytearray(first[-_TAIL:])
             complete = ended = gone = False
             t0 = time.perf_counter()
-            me = asyncio.current_task()
+            me: asyncio.Task[Any] | None = None
+            watcher: asyncio.Task[None] | None = None
 
             async def watch() -> None:  # the client went away: stop relaying (and reading)
                 nonlocal gone
@@ -293,7 +294,6 @@ class Forwarder:
                     gone = True
                     me.cancel()
 
-            watcher = asyncio.create_task(watch())
             try:
                 start = {"type": "http.response.start", "status": resp.status, "headers": headers}
                 await send(start)
@@ -304,7 +304,14 @@ class Forwarder:
                     if part is not None:
                         self.policy.observe(inst.url, part, ttft)
                 try:
-                    while chunk := await resp.readany():
+                    while True:
+                        # Watch the client only once the relay would wait on the engine:
+                        # an answer already here (a short stream) is sent without a task.
+                        if watcher is None and not resp.ready():
+                            me = asyncio.current_task()
+                            watcher = asyncio.create_task(watch())
+                        if not (chunk := await resp.readany()):
+                            break
                         tail += chunk
                         if len(tail) > 2 * _TAIL:
                             del tail[:-_TAIL]
@@ -330,7 +337,8 @@ class Forwarder:
                     raise
                 me.uncancel()  # the client left; the answer is simply not wanted any more
             finally:
-                watcher.cancel()
+                if watcher is not None:
+                    watcher.cancel()
                 inst.running_requests -= 1
                 m.running.set(inst.running_requests)
                 resp.release() if complete else resp.close()

@@ -183,6 +183,10 @@ class UpstreamResponse:
         while not self.head_done:
             await self._wait()
 
+    def ready(self) -> bool:
+        """``readany`` would return (or raise) without waiting for the upstream."""
+        return bool(self._buf) or self.complete or self._err is not None
+
     async def readany(self) -> bytes:
         """The next piece of body; ``b""`` at its end."""
         while not self._buf:
