@@ -259,19 +259,21 @@ RefCounts_prefix(RefCounts *t, PyObject *seq)
     uint64_t *keys = load_keys(seq, &n);
     if (keys == NULL)
         return NULL;
-    Py_ssize_t lo = 0, hi = n + 1; /* keys[0..lo) held; keys[0..hi) not (hi <= n) */
+    Py_ssize_t lo;
     if (n == 0 || find(t, keys[0]) < 0)
-        hi = lo + 1;
+        lo = 0;
     else if (find(t, keys[n - 1]) >= 0)
-        lo = n, hi = n + 1;
-    else
-        lo = 1, hi = n;
-    while (hi - lo > 1) {
-        Py_ssize_t mid = (lo + hi) >> 1;
-        if (find(t, keys[mid - 1]) >= 0)
-            lo = mid;
-        else
-            hi = mid;
+        lo = n;
+    else { /* keys[lo - 1] held, keys[hi - 1] not */
+        lo = 1;
+        Py_ssize_t hi = n;
+        while (hi - lo > 1) {
+            Py_ssize_t mid = (lo + hi) >> 1;
+            if (find(t, keys[mid - 1]) >= 0)
+                lo = mid;
+            else
+                hi = mid;
+        }
     }
     PyMem_Free(keys);
     return PyLong_FromSsize_t(lo);
