@@ -401,6 +401,33 @@ pack_u32(PyObject *self, PyObject *obj)
     return out;
 }
 
+PyDoc_STRVAR(common_prefix_doc,
+"common_prefix(a, b) -> int: how many leading bytes two bytes-like objects share\n"
+"(router.prompt_hashes finds where a prompt leaves the last one that began the same way).");
+
+static PyObject *
+common_prefix(PyObject *self, PyObject *args)
+{
+    Py_buffer a, b;
+    if (!PyArg_ParseTuple(args, "y*y*", &a, &b))
+        return NULL;
+    Py_ssize_t n = a.len < b.len ? a.len : b.len, i = 0;
+    const unsigned char *p = a.buf, *q = b.buf;
+    while (i + 8 <= n) { /* a word at a time, then the bytes of the first differing one */
+        uint64_t x, y;
+        memcpy(&x, p + i, 8);
+        memcpy(&y, q + i, 8);
+        if (x != y)
+            break;
+        i += 8;
+    }
+    while (i < n && p[i] == q[i])
+        i++;
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return PyLong_FromSsize_t(i);
+}
+
 /* ---- the memory index's lookup -------------------------------------------------------- */
 
 /* router.index.memory keeps per block hash a bitset of the columns (instance, slot) that
@@ -651,6 +678,7 @@ static PyMethodDef methods[] = {
     {"sha256_cbor_chain", sha256_cbor_chain, METH_VARARGS, sha256_cbor_doc},
     {"sha256_pickle_chain", sha256_pickle_chain, METH_VARARGS, sha256_pickle_doc},
     {"pack_u32", pack_u32, METH_O, pack_u32_doc},
+    {"common_prefix", common_prefix, METH_VARARGS, common_prefix_doc},
     {"column_masks", column_masks, METH_VARARGS, column_masks_doc},
     {NULL, NULL, 0, NULL},
 };

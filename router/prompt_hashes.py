@@ -5,9 +5,10 @@ prompt repeats a previous one's leading blocks token for token (the next turn of
 conversation, a shared system prompt, a retry), their digests are the previous prompt's,
 exactly: only the blocks after the common prefix are hashed. The previous prompt is found
 by its first block (with the block size and ``cache_salt``, which enter the chain), and
-the common prefix by one numpy comparison of token arrays. Without the native hasher
-(``events._native``) hashing is the largest part of a decision (~0.35 ms of ~0.7 for an
-8k-token prompt), and most traffic repeats prefixes.
+the common prefix by one comparison of the two prompts' packed ids (``common_prefix``, a
+word-at-a-time pass in ``events._native``: numpy's compare and search cost more in calls
+than in bytes). Without the native hasher hashing is the largest part of a decision
+(~0.35 ms of ~0.7 for an 8k-token prompt), and most traffic repeats prefixes.
 
 Bounded: the ``capacity`` most recent prompt starts (LRU). Off when NONE_HASH is random
 per call (xxhash without a seed): no two calls' chains may be mixed then.
@@ -24,9 +25,10 @@ from events.hashing import (
     DIGEST_SIZES,
     block_extra_keys,
     chain_digests,
+    common_prefix,
     hash_request_blocks,
     none_hash,
-    token_array,
+    packed_u32,
     wire_hashes,
     wire_hashes_of,
 )
@@ -35,7 +37,7 @@ __all__ = ["PromptHashes"]
 
 
 class _Chain(NamedTuple):
-    tokens: np.ndarray  # the prompt's full blocks' token ids
+    tokens: bytes  # the prompt's full blocks' token ids, native uint32
     digests: bytes  # back to back, DIGEST_SIZES[algo] bytes each
     wires: list[int]
 
@@ -62,19 +64,16 @@ class PromptHashes:
         n = len(ids) // block_size
         if n == 0:
             return []
-        arr = token_array(ids) if self.enabled else None
-        if arr is None:  # negative or odd ids: hash without reuse
+        packed = packed_u32(ids) if self.enabled else None
+        if packed is None:  # negative or odd ids: hash without reuse
             keys = block_extra_keys(n, lora=lora, cache_salt=salt)
             self.hashed_blocks += n
             return wire_hashes(hash_request_blocks(ids, block_size, self.algo, self.seed, keys))
-        arr = arr[: n * block_size]
-        key = (block_size, salt, lora, arr[:block_size].tobytes())
+        unit = 4 * block_size  # bytes of one block's ids
+        packed = packed[: n * unit]
+        key = (block_size, salt, lora, packed[:unit])
         prev = self._chains.get(key)
-        reuse = 0
-        if prev is not None:
-            m = min(len(prev.tokens), len(arr))
-            diff = np.flatnonzero(prev.tokens[:m] != arr[:m])
-            reuse = (int(diff[0]) if diff.size else m) // block_size
+        reuse = common_prefix(prev.tokens, packed, unit) if prev is not None else 0
         if prev is not None and reuse == n:
             self._chains.move_to_end(key)
             self.reused_blocks += n
@@ -84,7 +83,7 @@ class PromptHashes:
         done = prev.digests[: reuse * size] if prev is not None and reuse else b""
         parent = done[-size:] if done else none_hash(self.algo, self.seed)
         tail = chain_digests(
-            arr[reuse * block_size :],
+            np.frombuffer(packed, np.uint32, offset=reuse * unit),
             block_size,
             self.algo,
             parent,
@@ -96,7 +95,7 @@ class PromptHashes:
             wires = prev.wires[:reuse] + wires
         self.reused_blocks += reuse
         self.hashed_blocks += n - reuse
-        self._chains[key] = _Chain(arr, done + tail, wires)
+        self._chains[key] = _Chain(packed, done + tail, wires)
         self._chains.move_to_end(key)
         if len(self._chains) > self.capacity:
             self._chains.popitem(last=False)

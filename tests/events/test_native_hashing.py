@@ -115,15 +115,29 @@ def test_a_pickle_past_one_frame_falls_back_and_just_under_it_does_not():
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
-def test_token_array_packs_small_ids_as_uint32_and_refuses_odd_ones(native):
+def test_packed_u32_packs_small_ids_and_refuses_odd_ones(native):
     with hashing_path(native):
-        small = hashing.token_array([0, 5, 2**32 - 1])
-        assert small is not None and small.dtype == np.uint32
-        assert small.tolist() == [0, 5, 2**32 - 1]
-        large = hashing.token_array([1, 2**32, 2**64 - 1])
-        assert large is not None and large.dtype == np.uint64
-        assert large.tolist() == [1, 2**32, 2**64 - 1]
-        assert hashing.token_array([1, -1]) is None and hashing.token_array([1, 2**64]) is None
+        assert (
+            hashing.packed_u32([0, 5, 2**32 - 1]) == array.array("I", [0, 5, 2**32 - 1]).tobytes()
+        )
+        assert hashing.packed_u32([]) == b""
+        for odd in ([1, -1], [1, 2**32], [1, 2**64], [1, "2"]):
+            assert hashing.packed_u32(odd) is None
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+def test_common_prefix_counts_whole_items_shared_from_the_start(native):
+    rng = np.random.default_rng(1)
+    with hashing_path(native):
+        for _ in range(300):
+            a = rng.integers(0, 4, size=int(rng.integers(0, 40)), dtype=np.uint32)
+            b = a.copy() if rng.random() < 0.3 else rng.integers(0, 4, size=len(a), dtype=np.uint32)
+            b = b[: int(rng.integers(0, len(b) + 1))] if rng.random() < 0.5 else b
+            m = min(len(a), len(b))
+            diff = np.flatnonzero(a[:m] != b[:m])
+            want = int(diff[0]) if diff.size else m
+            assert hashing.common_prefix(a.tobytes(), b.tobytes(), 4) == want
+            assert hashing.common_prefix(b.tobytes(), a.tobytes(), 4) == want
 
 
 @settings(max_examples=60, deadline=None)
