@@ -4,11 +4,20 @@ from the real vLLM package and records what made each field; tests/README.md).""
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
 
 DATA = Path(__file__).resolve().parent / "data"
+
+# A suite started in the background by a non-interactive shell (`make test &`, nohup, some
+# CI runners) inherits SIGINT ignored, and so would every child it starts: a Python child
+# then never raises KeyboardInterrupt, and the tests that press Ctrl-C on `kvroute up` or
+# `kvroute events tail` (an operator's foreground process, where SIGINT is never ignored)
+# would wait for an exit that cannot come. A handler here is reset to the default at exec.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

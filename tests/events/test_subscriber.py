@@ -315,7 +315,11 @@ async def test_publisher_restart_on_same_port_yields_source_restarted_before_new
         f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}", replay_timeout=1.0
     ) as sub:
         old = ZmqEventPublisher(**kwargs)
-        before, sent = await publish_until(old, sub, 5)
+        # A restart shows as the sequence going back. The new incarnation's first batches
+        # are lost while the SUB reconnects (PUB drops what no peer takes), so the old one
+        # must have counted past what that can lose: with 5 the new one's seq 5 arrived
+        # first once and read as the old one's next batch.
+        before, sent = await publish_until(old, sub, 40)
         old.shutdown()
         # Batches of the old incarnation still in flight: until its last one is in (on a
         # loaded machine one straggled past a fixed 0.3 s wait), or none comes for 2 s.
