@@ -15,6 +15,11 @@ transposes the per-block bitsets instead when residency is fragmented. Where the
 C extension is built (``events._native.column_masks``; ``KVROUTE_NO_NATIVE=1`` turns it
 off) the same runs and ORs are done there, on 64-bit words: a lookup over 32 instances
 was ~30 us of Python steps per (run, column) pair and per column. Same answer.
+
+Events are applied there too (``index_store``, ``index_remove``, ``index_compact``: the
+same dict steps in one C loop per event; ``_remove_py`` and the loops below are the
+reference): under an engine's eviction churn, storing, removing and compacting logs in
+Python was a fifth of the router's CPU, more than the decisions.
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ __all__ = ["MemoryIndex"]
 
 # None where the extension is not built, is off, or was built before it had the function
 _column_masks: Any = getattr(native, "column_masks", None)
+_index_store: Any = getattr(native, "index_store", None)
+_index_remove: Any = getattr(native, "index_remove", None)
+_index_compact: Any = getattr(native, "index_compact", None)
 
 _INTERN_MAX = 1 << 16
 # Lookups OR each run's positions into the columns of its holder set, a Python step per
@@ -195,6 +203,15 @@ class MemoryIndex:
         return col
 
     def _store(self, col: int, hashes: Iterable[Any]) -> int:
+        if _index_store is not None and type(hashes) is list:
+            got = _index_store(self._blocks, self._ints, self._dups, col, hashes)
+            if got is not None:  # else a hash to convert: the Python path below
+                n, fresh = got
+                log = self._logs[col]
+                assert log is not None
+                log.frombytes(fresh)
+                self._live[col] += len(fresh) // 8
+                return n
         bit = 1 << col
         blocks = self._blocks
         get = blocks.get
@@ -220,6 +237,21 @@ class MemoryIndex:
         return n
 
     def _remove(self, col: int, hashes: Iterable[Any]) -> int:
+        got = None
+        if _index_remove is not None and type(hashes) is list:
+            got = _index_remove(self._blocks, self._ints, self._dups, col, hashes)
+        done, released = got if got is not None else self._remove_py(col, hashes)
+        if released:
+            self._live[col] -= released
+            log = self._logs[col]
+            assert log is not None
+            if len(log) > 2 * self._live[col] + 64:
+                self._compact(col)
+        return done
+
+    def _remove_py(self, col: int, hashes: Iterable[Any]) -> tuple[int, int]:
+        """``_remove``'s dict steps (``events._native.index_remove`` is the same in C):
+        (hashes the column held, those it no longer holds)."""
         bit = 1 << col
         blocks = self._blocks
         get = blocks.get
@@ -248,13 +280,7 @@ class MemoryIndex:
             else:
                 del blocks[h]
             released += 1
-        if released:
-            self._live[col] -= released
-            log = self._logs[col]
-            assert log is not None
-            if len(log) > 2 * self._live[col] + 64:
-                self._compact(col)
-        return done
+        return done, released
 
     def _compact(self, col: int) -> None:
         """Rewrite a column's log without stale or repeated hashes (amortised O(1))."""
@@ -262,6 +288,11 @@ class MemoryIndex:
         get = self._blocks.get
         log = self._logs[col]
         assert log is not None
+        if _index_compact is not None:
+            fresh = array("Q")
+            fresh.frombytes(_index_compact(self._blocks, col, log))
+            self._logs[col] = fresh
+            return
         self._logs[col] = array("Q", dict.fromkeys(h for h in log if get(h, 0) & bit))
 
     def _drop(self, st: _Instance) -> int:
