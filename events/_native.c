@@ -12,9 +12,11 @@
  * extra keys, a pickle frame of 64 KiB or more) returns None: the caller takes the Python
  * path. Token ids come from a list/tuple of exact ints or a C-contiguous integer buffer.
  *
- * Also the memory index's lookup transpose (column_masks, for router.index.memory, whose
- * Python path is the reference): it lives here because this is the one optional
- * extension the package builds; it knows nothing of the router but its data layout.
+ * Also the memory index's lookup transpose and its event application (column_masks;
+ * index_store, index_remove, index_compact: for router.index.memory, whose Python paths
+ * are the reference). They came here when this was the package's one optional extension
+ * and know nothing of the router but its data layout (router._refcounts, added since,
+ * holds only the speculative store's table).
  */
 #define PY_SSIZE_T_CLEAN
 #define OPENSSL_SUPPRESS_DEPRECATED
@@ -716,6 +718,17 @@ has_bit(PyObject *v, PyObject *bit)
     return r;
 }
 
+/* col and 1 << col as ints (new references in *colobj and *bit); -1 with an exception. */
+static int
+column_bit(Py_ssize_t col, PyObject **colobj, PyObject **bit)
+{
+    PyObject *one = PyLong_FromLong(1);
+    *colobj = PyLong_FromSsize_t(col);
+    *bit = one != NULL && *colobj != NULL ? PyNumber_Lshift(one, *colobj) : NULL;
+    Py_XDECREF(one);
+    return *bit == NULL ? -1 : 0;
+}
+
 /* blocks[h] = ints.setdefault(v, v) for the bitset v (a new reference, consumed). */
 static int
 set_interned(PyObject *blocks, PyObject *ints, PyObject *h, PyObject *v)
@@ -724,6 +737,18 @@ set_interned(PyObject *blocks, PyObject *ints, PyObject *h, PyObject *v)
     int r = canon == NULL ? -1 : PyDict_SetItem(blocks, h, canon);
     Py_DECREF(v);
     return r;
+}
+
+/* index_store's and index_remove's arguments: 1, 0 (a hash that is not an exact u64 int:
+ * the caller returns None) or -1 with an exception set. */
+static int
+apply_args(PyObject *args, PyObject **blocks, PyObject **ints, PyObject **dups,
+           Py_ssize_t *col, PyObject **hashes)
+{
+    if (!PyArg_ParseTuple(args, "O!O!O!nO", &PyDict_Type, blocks, &PyDict_Type, ints,
+                          &PyDict_Type, dups, col, hashes))
+        return -1;
+    return exact_u64_list(*hashes);
 }
 
 PyDoc_STRVAR(index_store_doc,
@@ -737,16 +762,13 @@ index_store(PyObject *self, PyObject *args)
 {
     PyObject *blocks, *ints, *dups, *hashes;
     Py_ssize_t col;
-    if (!PyArg_ParseTuple(args, "O!O!O!nO", &PyDict_Type, &blocks, &PyDict_Type, &ints,
-                          &PyDict_Type, &dups, &col, &hashes))
-        return NULL;
-    if (!exact_u64_list(hashes))
-        Py_RETURN_NONE;
+    int ok = apply_args(args, &blocks, &ints, &dups, &col, &hashes);
+    if (ok <= 0)
+        return ok < 0 ? NULL : Py_NewRef(Py_None);
     Py_ssize_t n = PyList_GET_SIZE(hashes), fresh = 0;
-    PyObject *one = PyLong_FromLong(1), *colobj = PyLong_FromSsize_t(col), *bit = NULL;
+    PyObject *colobj = NULL, *bit = NULL;
     PyObject *out = PyBytes_FromStringAndSize(NULL, 8 * (n ? n : 1));
-    if (one == NULL || colobj == NULL || out == NULL ||
-        (bit = PyNumber_Lshift(one, colobj)) == NULL)
+    if (out == NULL || column_bit(col, &colobj, &bit) < 0)
         goto error;
     uint64_t *dst = (uint64_t *)PyBytes_AS_STRING(out);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -778,14 +800,12 @@ index_store(PyObject *self, PyObject *args)
     }
     if (_PyBytes_Resize(&out, 8 * fresh) < 0)
         goto error_out_gone;
-    Py_DECREF(one);
     Py_DECREF(colobj);
     Py_DECREF(bit);
     return Py_BuildValue("(nN)", n, out);
 error:
     Py_XDECREF(out);
 error_out_gone:
-    Py_XDECREF(one);
     Py_XDECREF(colobj);
     Py_XDECREF(bit);
     return NULL;
@@ -802,14 +822,12 @@ index_remove(PyObject *self, PyObject *args)
 {
     PyObject *blocks, *ints, *dups, *hashes;
     Py_ssize_t col;
-    if (!PyArg_ParseTuple(args, "O!O!O!nO", &PyDict_Type, &blocks, &PyDict_Type, &ints,
-                          &PyDict_Type, &dups, &col, &hashes))
-        return NULL;
-    if (!exact_u64_list(hashes))
-        Py_RETURN_NONE;
+    int ok = apply_args(args, &blocks, &ints, &dups, &col, &hashes);
+    if (ok <= 0)
+        return ok < 0 ? NULL : Py_NewRef(Py_None);
     Py_ssize_t n = PyList_GET_SIZE(hashes), done = 0, released = 0;
-    PyObject *one = PyLong_FromLong(1), *colobj = PyLong_FromSsize_t(col), *bit = NULL;
-    if (one == NULL || colobj == NULL || (bit = PyNumber_Lshift(one, colobj)) == NULL)
+    PyObject *colobj = NULL, *bit = NULL;
+    if (column_bit(col, &colobj, &bit) < 0)
         goto error;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *h = PyList_GET_ITEM(hashes, i);
@@ -868,12 +886,10 @@ index_remove(PyObject *self, PyObject *args)
         }
         released++;
     }
-    Py_DECREF(one);
     Py_DECREF(colobj);
     Py_DECREF(bit);
     return Py_BuildValue("(nn)", done, released);
 error:
-    Py_XDECREF(one);
     Py_XDECREF(colobj);
     Py_XDECREF(bit);
     return NULL;
@@ -898,13 +914,13 @@ index_compact(PyObject *self, PyObject *args)
     uint64_t *seen = PyMem_Calloc((size_t)cap, sizeof(uint64_t));
     unsigned char *used = PyMem_Calloc((size_t)cap, 1);
     PyObject *out = PyBytes_FromStringAndSize(NULL, 8 * (n ? n : 1));
-    PyObject *one = PyLong_FromLong(1), *colobj = PyLong_FromSsize_t(col), *bit = NULL;
-    if (seen == NULL || used == NULL || out == NULL || one == NULL || colobj == NULL ||
-        (bit = PyNumber_Lshift(one, colobj)) == NULL) {
-        if (seen == NULL || used == NULL)
-            PyErr_NoMemory();
+    PyObject *colobj = NULL, *bit = NULL;
+    if (seen == NULL || used == NULL) {
+        PyErr_NoMemory();
         goto error;
     }
+    if (out == NULL || column_bit(col, &colobj, &bit) < 0)
+        goto error;
     uint64_t *dst = (uint64_t *)PyBytes_AS_STRING(out);
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t h;
@@ -937,7 +953,6 @@ error:
 done:
     PyMem_Free(seen);
     PyMem_Free(used);
-    Py_XDECREF(one);
     Py_XDECREF(colobj);
     Py_XDECREF(bit);
     PyBuffer_Release(&log);
