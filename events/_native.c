@@ -718,6 +718,42 @@ has_bit(PyObject *v, PyObject *bit)
     return r;
 }
 
+/* The bitset blocks[h] in *v (borrowed; NULL: none) and whether it has bit: 1, 0, -1. */
+static int
+column_holds(PyObject *blocks, PyObject *h, PyObject *bit, PyObject **v)
+{
+    *v = PyDict_GetItemWithError(blocks, h);
+    if (*v == NULL && PyErr_Occurred())
+        return -1;
+    return has_bit(*v, bit);
+}
+
+/* dups[(h, col)] += delta (+1, or -1 with the entry gone at 0): 1 when changed, 0 when
+ * delta is -1 and there is no repeat to take back, -1 on error. */
+static int
+bump_repeat(PyObject *dups, PyObject *h, PyObject *colobj, long delta)
+{
+    PyObject *key = PyTuple_Pack(2, h, colobj);
+    if (key == NULL)
+        return -1;
+    PyObject *extra = PyDict_GetItemWithError(dups, key); /* borrowed */
+    long k = extra == NULL ? 0 : PyLong_AsLong(extra);
+    int r;
+    if (PyErr_Occurred())
+        r = -1;
+    else if (k + delta < 0)
+        r = 0;
+    else if (k + delta == 0)
+        r = PyDict_DelItem(dups, key) < 0 ? -1 : 1;
+    else {
+        PyObject *nk = PyLong_FromLong(k + delta);
+        r = nk == NULL || PyDict_SetItem(dups, key, nk) < 0 ? -1 : 1;
+        Py_XDECREF(nk);
+    }
+    Py_DECREF(key);
+    return r;
+}
+
 /* col and 1 << col as ints (new references in *colobj and *bit); -1 with an exception. */
 static int
 column_bit(Py_ssize_t col, PyObject **colobj, PyObject **bit)
@@ -772,24 +808,12 @@ index_store(PyObject *self, PyObject *args)
         goto error;
     uint64_t *dst = (uint64_t *)PyBytes_AS_STRING(out);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *h = PyList_GET_ITEM(hashes, i);
-        PyObject *v = PyDict_GetItemWithError(blocks, h); /* borrowed */
-        if (v == NULL && PyErr_Occurred())
-            goto error;
-        int held = has_bit(v, bit);
+        PyObject *h = PyList_GET_ITEM(hashes, i), *v;
+        int held = column_holds(blocks, h, bit, &v);
         if (held < 0)
             goto error;
-        if (held) {
-            PyObject *key = PyTuple_Pack(2, h, colobj);
-            if (key == NULL)
-                goto error;
-            PyObject *extra = PyDict_GetItemWithError(dups, key);
-            long k = extra == NULL ? 0 : PyLong_AsLong(extra);
-            PyObject *nk = (PyErr_Occurred()) ? NULL : PyLong_FromLong(k + 1);
-            int r = nk == NULL ? -1 : PyDict_SetItem(dups, key, nk);
-            Py_XDECREF(nk);
-            Py_DECREF(key);
-            if (r < 0)
+        if (held) { /* a repeat of a block the column holds */
+            if (bump_repeat(dups, h, colobj, +1) < 0)
                 goto error;
             continue;
         }
@@ -830,43 +854,19 @@ index_remove(PyObject *self, PyObject *args)
     if (column_bit(col, &colobj, &bit) < 0)
         goto error;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *h = PyList_GET_ITEM(hashes, i);
-        PyObject *v = PyDict_GetItemWithError(blocks, h); /* borrowed */
-        if (v == NULL && PyErr_Occurred())
-            goto error;
-        int held = has_bit(v, bit);
+        PyObject *h = PyList_GET_ITEM(hashes, i), *v;
+        int held = column_holds(blocks, h, bit, &v);
         if (held < 0)
             goto error;
         if (!held)
             continue;
         done++;
-        if (PyDict_GET_SIZE(dups)) {
-            PyObject *key = PyTuple_Pack(2, h, colobj);
-            if (key == NULL)
+        if (PyDict_GET_SIZE(dups)) { /* a repeat to take back first (rare: none at all) */
+            int r = bump_repeat(dups, h, colobj, -1);
+            if (r < 0)
                 goto error;
-            PyObject *extra = PyDict_GetItemWithError(dups, key);
-            if (extra == NULL && PyErr_Occurred()) {
-                Py_DECREF(key);
-                goto error;
-            }
-            long k = extra == NULL ? 0 : PyLong_AsLong(extra);
-            if (k > 0) {
-                int r;
-                if (k == 1)
-                    r = PyDict_DelItem(dups, key);
-                else {
-                    PyObject *nk = PyLong_FromLong(k - 1);
-                    r = nk == NULL ? -1 : PyDict_SetItem(dups, key, nk);
-                    Py_XDECREF(nk);
-                }
-                Py_DECREF(key);
-                if (r < 0)
-                    goto error;
+            if (r)
                 continue;
-            }
-            Py_DECREF(key);
-            if (PyErr_Occurred())
-                goto error;
         }
         PyObject *nv = PyNumber_Xor(v, bit);
         if (nv == NULL)

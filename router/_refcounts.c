@@ -235,15 +235,24 @@ RefCounts_remove(RefCounts *t, PyObject *seq)
 
 PyDoc_STRVAR(count_doc, "count(hash) -> int: how many holders hash has (0: none).");
 
+/* The slot holding h, or -1: absent, or h is not an int in [0, 2**64) (held by none). */
+static Py_ssize_t
+find_obj(const RefCounts *t, PyObject *h)
+{
+    if (!PyLong_Check(h))
+        return -1;
+    unsigned long long x = PyLong_AsUnsignedLongLong(h);
+    if (x == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
+    }
+    return find(t, x);
+}
+
 static PyObject *
 RefCounts_count(RefCounts *t, PyObject *h)
 {
-    unsigned long long x = PyLong_Check(h) ? PyLong_AsUnsignedLongLong(h) : (unsigned long long)-1;
-    if (x == (unsigned long long)-1 && (PyErr_Occurred() || !PyLong_Check(h))) {
-        PyErr_Clear(); /* not a u64: held by none */
-        return PyLong_FromLong(0);
-    }
-    Py_ssize_t i = find(t, x);
+    Py_ssize_t i = find_obj(t, h);
     return PyLong_FromUnsignedLongLong(i < 0 ? 0 : t->slots[i].count);
 }
 
@@ -318,14 +327,7 @@ RefCounts_len(RefCounts *t)
 static int
 RefCounts_contains(RefCounts *t, PyObject *h)
 {
-    if (!PyLong_Check(h))
-        return 0;
-    unsigned long long x = PyLong_AsUnsignedLongLong(h);
-    if (x == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return 0;
-    }
-    return find(t, x) >= 0;
+    return find_obj(t, h) >= 0;
 }
 
 static PyObject *

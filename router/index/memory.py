@@ -284,8 +284,6 @@ class MemoryIndex:
 
     def _compact(self, col: int) -> None:
         """Rewrite a column's log without stale or repeated hashes (amortised O(1))."""
-        bit = 1 << col
-        get = self._blocks.get
         log = self._logs[col]
         assert log is not None
         if _index_compact is not None:
@@ -293,6 +291,7 @@ class MemoryIndex:
             fresh.frombytes(_index_compact(self._blocks, col, log))
             self._logs[col] = fresh
             return
+        bit, get = 1 << col, self._blocks.get
         self._logs[col] = array("Q", dict.fromkeys(h for h in log if get(h, 0) & bit))
 
     def _drop(self, st: _Instance) -> int:
