@@ -58,7 +58,7 @@ class RouterState:
             ),
         )
         redis_opts: dict[str, Any] = {}
-        if s.index.startswith(("redis://", "rediss://", "unix://")):
+        if s.index.startswith(("redis://", "rediss://", "unix://", "redis+cluster://")):
             redis_opts = {"model": s.model, "hash_algo": s.hash_algo, "hash_seed": s.seed}
             if s.redis_block_ttl_s:
                 redis_opts["block_ttl_s"] = s.redis_block_ttl_s
