@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from events.hashing import native_hashing
+from events.native import native_paths
 from router.admission import AdmissionConfig, AdmissionController
 from router.affinity import AffinityConfig, SessionAffinity
 from router.build import build_router, instrument
@@ -136,12 +136,14 @@ class RouterState:
             await self.add_instance(parse_instance(text), probe=False)
         await self.registry.start()
         self._layout_task = asyncio.create_task(self._share_layouts(), name="layouts")
+        paths = native_paths()
         log.info(
-            "router: %d instances, policy %s, index %s, block hashing %s",
+            "router: %d instances, policy %s, index %s; native: %s; pure Python: %s",
             len(self.registry.all()),
             self.policy.name,
             self.settings.index,
-            "native" if native_hashing() else "pure Python (events._native not built)",
+            ", ".join(n for n, ok in paths.items() if ok) or "none",
+            ", ".join(n for n, ok in paths.items() if not ok) or "none",
         )
 
     async def stop(self) -> None:
