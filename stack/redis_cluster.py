@@ -2,9 +2,11 @@
 free ports, each in its own directory, persistence off, formed with
 ``redis-cli --cluster create ... --cluster-replicas 1 --cluster-yes``.
 
-Used by the cluster index's tests and ``kvroute bench index --cluster``. A short
-``cluster-node-timeout`` makes a killed master fail over to its replica in about a second
-or two, so failover tests wait on conditions for seconds, not minutes.
+Used by the cluster index's tests and ``kvroute bench index --cluster``.
+``cluster-node-timeout`` (``node_timeout_ms``) is how long a master may not answer before
+its replica takes over: short in failover tests (a killed master is replaced in a few
+seconds), longer elsewhere, so that nodes starved of CPU on a busy machine are not
+failed over by mistake.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from stack.procs import LOOPBACK, Proc, free_port, redis_command
 
 __all__ = ["RedisCluster", "private_redis_cluster"]
 
-NODE_TIMEOUT_MS = 1000
+NODE_TIMEOUT_MS = 5000
 
 
 @dataclass
@@ -99,7 +101,9 @@ def _slots_on_live_masters(live: list[Proc]) -> bool:
 
 
 @contextlib.contextmanager
-def private_redis_cluster(masters: int = 3, replicas: int = 1) -> Iterator[RedisCluster]:
+def private_redis_cluster(
+    masters: int = 3, replicas: int = 1, node_timeout_ms: int = NODE_TIMEOUT_MS
+) -> Iterator[RedisCluster]:
     """Start ``masters * (1 + replicas)`` nodes, form the cluster, wait until it serves
     every slot; stop every node and remove the directory on exit."""
     workdir = Path(tempfile.mkdtemp(prefix="kvroute-cluster-"))
@@ -114,7 +118,7 @@ def private_redis_cluster(masters: int = 3, replicas: int = 1) -> Iterator[Redis
                 "--cluster-enabled", "yes",
                 "--cluster-port", str(free_port()),  # the bus: any free port (not port+10000)
                 "--cluster-config-file", str(d / "nodes.conf"),
-                "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
+                "--cluster-node-timeout", str(node_timeout_ms),
                 "--cluster-replica-validity-factor", "0",
                 # The other shards keep serving while one fails over (as a deployment
                 # that wants routing through a failover must configure it).

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RedisCluster]:
-    with private_redis_cluster() as c:
+    with private_redis_cluster(node_timeout_ms=1500) as c:
         yield c
 
 
