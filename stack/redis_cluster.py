@@ -22,7 +22,7 @@ from pathlib import Path
 
 from stack.procs import LOOPBACK, Proc, free_port, redis_command
 
-__all__ = ["RedisCluster", "private_redis_cluster"]
+__all__ = ["RedisCluster", "private_redis_cluster", "wait_replicas_synced"]
 
 NODE_TIMEOUT_MS = 5000
 
@@ -137,7 +137,7 @@ def private_redis_cluster(
         )  # fmt: skip
         cluster = RedisCluster(nodes, masters, workdir)
         cluster.wait_healthy()
-        _wait_replicas_synced(nodes, masters * replicas)
+        wait_replicas_synced(nodes, masters * replicas)
         yield cluster
     finally:
         for p in reversed(nodes):
@@ -145,7 +145,7 @@ def private_redis_cluster(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _wait_replicas_synced(nodes: list[Proc], expected: int, timeout: float = 30.0) -> None:
+def wait_replicas_synced(nodes: list[Proc], expected: int, timeout: float = 30.0) -> None:
     """Until ``expected`` replicas report their link to the master up (a replica that
     never synced cannot take over)."""
     import redis

@@ -11,6 +11,7 @@ import logging
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,8 +22,9 @@ from events.publisher import ZmqEventPublisher
 from events.structs import BlockStored, KVEventBatch
 from router.index.redis_cluster import RedisClusterIndex, shard_of
 from router.ingest import IngestManager
-from stack.procs import free_port
-from stack.redis_cluster import RedisCluster, private_redis_cluster
+from stack.chaos.client import holds, metrics_text, new_client, scrape, send_completion, wait_for
+from stack.procs import Fleet, free_port, start_engines
+from stack.redis_cluster import RedisCluster, private_redis_cluster, wait_replicas_synced
 
 NAMES = [f"e{i}" for i in range(6)]
 log = logging.getLogger(__name__)
@@ -140,3 +142,84 @@ async def _wait(cond, timeout: float) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.05)
+
+
+def _restart(cluster: RedisCluster, node) -> None:
+    """Bring a killed node back: it rejoins (its nodes.conf) as a replica of the master
+    that replaced it, so the next test again has a replica behind every master."""
+    node.launch()
+    node.wait_ready(15)
+    cluster.wait_healthy(30)
+    wait_replicas_synced(cluster.nodes, cluster.masters, timeout=30)
+
+
+def _master_holding(cluster: RedisCluster, instance: str):
+    """The node serving as master the shard that holds ``instance``'s cursor key."""
+    import redis
+
+    for p in cluster.nodes:
+        if not p.alive:
+            continue
+        r = redis.Redis(host="127.0.0.1", port=p.port, socket_timeout=2)
+        if r.info("replication").get("role") != "master":
+            continue
+        for key in r.scan_iter(match=f"*:i:{instance}", count=1000):
+            return p, key.decode()
+    raise AssertionError(f"no master holds {instance}'s state")
+
+
+async def test_router_on_the_cluster_answers_every_request_through_a_failover(cluster, tmp_path):
+    """A router (real process, two simulated engines) on ``--index redis+cluster://``:
+    the master holding the cached probe's instance is killed under load; every request is
+    answered, and the probe's residency is back on its holder after the failover (its
+    shard's instances rebuilt from replay)."""
+    _restart_all(cluster)
+    with Fleet(tmp_path) as fleet:
+        engines = start_engines(fleet, 2, "--profile", "swa-hybrid", "--time-scale", "20")
+        router = fleet.router(engines, "--index", cluster.url)
+        probe = f"history on a sharded index {uuid.uuid4().hex} " * 6
+        stop = asyncio.Event()
+        outcomes: list = []
+        async with new_client(16) as client:
+            r = await client.post(f"{router.url}/v1/completions", json={"prompt": probe})
+            r.raise_for_status()
+            holder = r.headers["x-kvroute-instance"]
+            await wait_for(lambda: holds(client, router.url, probe, holder), 30, what="probe")
+
+            async def worker(w: int) -> None:
+                i = 0
+                while not stop.is_set():
+                    prompt = f"load {w}-{i} through a failover; " * (1 + i % 4)
+                    outcomes.append(
+                        await send_completion(client, router.url, len(outcomes), prompt, 4)
+                    )
+                    i += 1
+
+            workers = [asyncio.create_task(worker(w)) for w in range(4)]
+            try:
+                await asyncio.sleep(1.0)
+                master, key = _master_holding(cluster, holder)
+                before = len(outcomes)
+                master.kill()
+                await asyncio.to_thread(cluster.wait_healthy, 30)
+                during = len(outcomes) - before
+                await wait_for(
+                    lambda: holds(client, router.url, probe, holder), 30, what="probe rebuilt"
+                )
+                await asyncio.sleep(0.5)
+            finally:
+                stop.set()
+                await asyncio.gather(*workers, return_exceptions=True)
+            metrics = await metrics_text(client, router.url)
+        lost = [o.describe() for o in outcomes if not o.ok]
+        assert lost == [], "\n".join(lost)
+        assert during > 0, "no request was answered during the failover"
+        assert cluster.master_of(key) is not master
+        assert scrape(metrics, "kvroute_ingest_resyncs_total", instance=holder) >= 1
+        log.info("%d requests, %d during the failover, none lost", len(outcomes), during)
+
+
+def _restart_all(cluster: RedisCluster) -> None:
+    for p in cluster.nodes:
+        if not p.alive:
+            _restart(cluster, p)
