@@ -30,14 +30,15 @@ changes (or a write to it failed), the next write of each instance on that shard
 and rebuild it from the publisher's replay buffer -- the same path as a Redis that
 restarted empty. Lookups answer from the shards that answer; a shard without a master
 (for the seconds a failover takes) is left out, counted in ``partial_lookups``, and the
-slot map refreshed.
+slot map refreshed. That needs the cluster's nodes to keep serving the other slots while
+one fails over: ``cluster-require-full-coverage no`` (Redis' default, ``yes``, stops the
+whole cluster, and with it every lookup, until the replica has taken over).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import zlib
 from collections.abc import Sequence
@@ -53,7 +54,7 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from events.structs import KVEventBatch
 from router.index.base import ApplyResult, Residency, SeqBatch
-from router.index.redis_index import RedisIndex, namespace_for
+from router.index.redis_index import RedisIndex, get_layouts, namespace_for, put_layout
 
 __all__ = ["RedisClusterIndex", "parse_cluster_url", "shard_prefixes"]
 
@@ -319,15 +320,10 @@ class RedisClusterIndex:
         return await idx.cursor(instance)
 
     async def put_layout(self, instance: str, layout: dict[str, Any] | None) -> None:
-        key = f"{self.prefix}:layouts"
-        if layout is None:
-            await self.cluster.hdel(key, instance)  # type: ignore[misc]
-        else:
-            await self.cluster.hset(key, instance, json.dumps(layout))  # type: ignore[misc]
+        await put_layout(self.cluster, self.prefix, instance, layout)
 
     async def get_layouts(self) -> dict[str, dict[str, Any]]:
-        raw = await self.cluster.hgetall(f"{self.prefix}:layouts")  # type: ignore[misc]
-        return {k.decode(): json.loads(v) for k, v in raw.items()}
+        return await get_layouts(self.cluster, self.prefix)
 
     async def close(self) -> None:
         for idx in self._shards.values():
