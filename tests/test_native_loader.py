@@ -3,6 +3,7 @@ loaded, and ``KVROUTE_NO_NATIVE=1`` turns every one off, in every user."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -40,3 +41,20 @@ def test_no_native_turns_off_every_extension_in_every_user():
     out = done.stdout
     assert "True" not in out.split("}")[0]
     assert out.split("}")[1].split() == ["False", "PyRefCounts", "PyBlockTable"]
+
+
+async def test_the_router_says_at_start_up_which_paths_are_native(caplog):
+    from router.config import RouterSettings
+    from router.state import RouterState
+
+    state = RouterState(RouterSettings())
+    with caplog.at_level(logging.INFO, logger="router.state"):
+        await state.start()
+    try:
+        line = next(r.getMessage() for r in caplog.records if "native:" in r.getMessage())
+        loaded = [n for n, ok in native_paths().items() if ok]
+        missing = [n for n, ok in native_paths().items() if not ok]
+        assert f"native: {', '.join(loaded) or 'none'};" in line
+        assert f"pure Python: {', '.join(missing) or 'none'}" in line
+    finally:
+        await state.stop()
