@@ -68,7 +68,7 @@ def router(
     from pydantic import ValidationError
 
     from router.config import RouterSettings, load_settings
-    from router.server import serve
+    from router.http.server import serve
 
     flags = fields_from(
         RouterSettings, locals(), instances=instance or None, health_interval_s=health_interval,

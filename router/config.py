@@ -16,7 +16,7 @@ import yaml
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from router.policy import POLICIES
+from router.decision.policy.cost import POLICIES
 
 __all__ = [
     "InstanceSpec",
