@@ -70,7 +70,7 @@ def router(
     from pydantic import ValidationError
 
     from router.config import RouterSettings, load_settings
-    from router.server import serve
+    from router.http.server import serve
 
     flags = fields_from(
         RouterSettings, locals(), instances=instance or None, health_interval_s=health_interval,
@@ -78,9 +78,9 @@ def router(
     )  # fmt: skip
     try:
         settings = load_settings(flags, config)
-        from router.state import parse_layout
+        from router.decision.layout import default_layout
 
-        parse_layout(settings.default_layout, settings.block_size)
+        default_layout(settings.default_layout, settings.block_size)
     except (ValidationError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from exc
     serve(settings)

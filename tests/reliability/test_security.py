@@ -14,11 +14,11 @@ import pytest
 import redis
 import redis.asyncio.connection as rconn
 
-import router.app
+import router.http.app
 from engine_adapter.sim.server import EngineSettings
 from events.structs import BlockStored, KVEventBatch
-from router.app import create_app
 from router.config import RouterSettings
+from router.http.app import create_app
 from router.index import open_index
 from router.index.redis_index import RedisIndex
 from router.state import RouterState
@@ -56,7 +56,7 @@ async def test_admin_api_requires_the_token_compared_in_constant_time(monkeypatc
         compared.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(router.app.hmac, "compare_digest", spy)
+    monkeypatch.setattr(router.http.app.hmac, "compare_digest", spy)
     settings = RouterSettings(admin_token=TOKEN)
     wrong = (
         None,
@@ -144,7 +144,7 @@ async def test_router_only_forwards_to_registered_instances(edge):
     assert trap.connections == 0
     forwarded = [a for a in answers if "x-kvroute-instance" in a.headers]
     # The two bodies naming the trap as their "model" name no served model: the router
-    # answers vLLM's 404 itself (router.models) and forwards nothing.
+    # answers vLLM's 404 itself (router.fleet.models) and forwards nothing.
     refused = [a for a in answers[: len(bodies)] if a.status_code == 404]
     assert len(refused) == 2 and all("does not exist" in a.text for a in refused)
     assert len(forwarded) == len(bodies) + len(headers) - 2

@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from router.cost_model import Backlog, TtftFit
-from router.policy import Breakdown, Candidate, CostPolicy
+from router.decision.policy import Breakdown, Candidate, CostPolicy
+from router.decision.policy.fit import Backlog, TtftFit
 
 
 class Clock:

@@ -22,10 +22,10 @@ from routerkit import (
 from events.publisher import ZmqEventPublisher
 from events.structs import KVEventBatch
 from events.subscriber import BatchesMissed, BatchReceived, SourceRestarted
+from router.decision.layout import InstanceLayout, LayoutRegistry
 from router.index import MemoryIndex, Tier, slot_of
 from router.index.redis_index import RedisIndex
 from router.ingest import IngestManager, InstanceSource
-from router.layout import InstanceLayout, LayoutRegistry
 from stack.procs import private_redis
 
 G0, G1 = slot_of(0, Tier.GPU), slot_of(1, Tier.GPU)
@@ -105,16 +105,23 @@ async def test_batches_are_applied_in_order_and_counted_by_type_and_status():
 
 
 async def test_every_batch_reaches_the_eviction_tracker():
-    """Memory pressure is read from ingest's batches (``router.pressure``)."""
-    from router.pressure import EvictionTracker
+    """Memory pressure is read from ingest's batches (``router.prediction.pressure``)."""
+    from router.prediction.pressure import EvictionTracker
 
     idx, reg = MemoryIndex(), CollectorRegistry()
     tracker = EvictionTracker(window_s=3600.0)
     b0 = batch(stored([1, 2]), ts=time.time())
     b1 = batch(removed([9]), ts=time.time())  # e2 evicted
     sources = Sources([got(0, b0)], [got(0, b0), got(1, b1)])
-    mgr = IngestManager(idx, registry=reg, source_factory=sources)
-    mgr.on_batch = tracker.observe
+
+    class Listener:  # router.ingest.IngestListener
+        def batch_learned(self, instance: str, b: KVEventBatch) -> None:
+            tracker.observe(instance, b)
+
+        def batch_applied(self, instance: str) -> None:
+            pass
+
+    mgr = IngestManager(idx, registry=reg, source_factory=sources, listener=Listener())
     await mgr.add_instance("e1", "tcp://x:1")
     await mgr.add_instance("e2", "tcp://x:2")
     await mgr.wait_for_seq("e1", 0)
