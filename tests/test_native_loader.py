@@ -31,7 +31,7 @@ def test_every_extension_is_listed_and_loaded_where_built():
 def test_no_native_turns_off_every_extension_in_every_user():
     code = (
         "from events.native import native_paths; from events.hashing import native_hashing; "
-        "from router.speculative import refcounts_type; from router.index.memory import "
+        "from router.prediction.speculative import refcounts_type; from router.index.memory import "
         "MemoryIndex; print(native_paths(), native_hashing(), refcounts_type().__name__, "
         "type(MemoryIndex()._table).__name__)"
     )
