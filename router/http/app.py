@@ -70,6 +70,8 @@ def create_app(state: RouterState) -> ProxyEndpoints:
             "lora": decision.lora[0] if decision.lora else None,
         }
         out["admission"] = state.admission.describe(decision.pool)
+        for cand in out["candidates"]:  # complete or partial: what a cold start rebuilt
+            cand["view"] = state.ingest.view(cand["instance"])
         return JSONResponse(out)
 
     @app.get("/v1/models")
