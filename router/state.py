@@ -17,6 +17,7 @@ from router.decision.layout import InstanceLayout, LayoutRegistry
 from router.decision.tokenize import RoutingTokenizer
 from router.fleet.admission import AdmissionConfig, AdmissionController
 from router.fleet.affinity import AffinityConfig, SessionAffinity
+from router.fleet.discovery import Discovery
 from router.fleet.instances import Instance, InstanceRegistry
 from router.fleet.models import ModelRegistry
 from router.http.forward import Forwarder
@@ -95,7 +96,13 @@ class RouterState:
         )
         self.registry.on_probed = self.admission.notify
         self.models = ModelRegistry(self.client, s.health_timeout_s)
-        self.registry.on_up = self.models.refresh
+        self.registry.on_up = self._probed_up
+        self.discovery = Discovery(
+            self.client,
+            s.health_timeout_s,
+            lambda spec: self._add_target(spec, probe=False),
+            self._remove_target,
+        )
         self.forwarder = Forwarder(
             self.registry,
             self.policy,
@@ -118,10 +125,22 @@ class RouterState:
         self.router.settled(decision, url)
         self.admission.notify()  # a slot may have freed
 
+    async def _probed_up(self, inst: Instance) -> None:
+        """After each good probe: an instance named by URL alone whose sources could not
+        be read yet is read now; then its served models."""
+        if inst.http_url in self.discovery.pending:
+            await self.discovery.refresh(inst.http_url)
+        if self.registry.get(inst.url) is inst:
+            await self.models.refresh(inst)
+
     async def _health_changed(self, inst: Instance, up: bool) -> None:
         """A down instance's cache is unknown -- it may come back restarted, empty: drop
-        its residency now and rebuild it from its events (replay, then the live stream)."""
+        its residency now and rebuild it from its events (replay, then the live stream).
+        One named by URL alone is read again when it is back: a restarted vLLM may
+        publish elsewhere."""
         if up:
+            if inst.http_url in self.discovery:
+                await self.discovery.refresh(inst.http_url)
             return
         self.speculative.forget(inst.url)
         if inst.spec.events and inst.url in self.ingest.instances():
@@ -157,7 +176,14 @@ class RouterState:
 
     async def add_instance(self, spec: InstanceSpec, *, probe: bool = True) -> Instance:
         """Register an instance (``dp=N``: one target per data-parallel rank, the first
-        returned)."""
+        returned; a URL alone: as its ``/kv_event_sources`` says)."""
+        if spec.discover:
+            specs = await self.discovery.add(spec)
+            targets = [i for s in specs if (i := self.registry.get(s.url)) is not None]
+            if probe:
+                for inst in targets:
+                    await self.registry.probe(inst)
+            return targets[0]
         targets = [await self._add_target(t, probe=probe) for t in rank_specs(spec)]
         return targets[0]
 
@@ -183,6 +209,7 @@ class RouterState:
         """Remove a target, or every rank target of the instance at ``url``."""
         url = url.rstrip("/")
         names = [i.url for i in self.registry.all() if url in (i.url, i.http_url)]
+        self.discovery.forget(url)
         for name in names:
             await self._remove_target(name)
         return bool(names)
@@ -219,4 +246,5 @@ class RouterState:
             "served": inst.served,
             "models": self.models.describe(inst.url),
             "last_seq": self.ingest.last_seq(inst.url) if inst.spec.events else None,
+            "view": self.ingest.view(inst.url),
         }
