@@ -77,9 +77,9 @@ def router(
     )  # fmt: skip
     try:
         settings = load_settings(flags, config)
-        from router.state import parse_layout
+        from router.decision.layout import default_layout
 
-        parse_layout(settings.default_layout, settings.block_size)
+        default_layout(settings.default_layout, settings.block_size)
     except (ValidationError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from exc
     serve(settings)

@@ -7,22 +7,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 from router.config import RouterSettings
-from router.decision.decide import Router
+from router.decision.decide import HealthyInstances, Router
 from router.decision.layout import LayoutRegistry
-from router.decision.policy.cost import CostPolicy, CostRates, Policy, make_policy
+from router.decision.policy.cost import COST_POLICIES, CostRates, Policy, make_policy
+from router.decision.prompt_hashes import PromptHashes
 from router.decision.score import Scorer
 from router.decision.tokenize import RoutingTokenizer
 from router.fleet.affinity import SessionAffinity
 from router.index.base import BlockIndex
 from router.index.instrumented import IndexMetrics, InstrumentedIndex
 from router.metrics import RouterMetrics
+from router.prediction.predict import PredictOnRoute
 from router.prediction.pressure import EvictionTracker
 from router.prediction.speculative import SpeculativeResidency
 
-__all__ = ["build_router", "instrument", "policy_rates"]
+__all__ = ["build_router", "eviction_tracker", "instrument", "policy_rates"]
 
 
 def policy_rates(settings: RouterSettings) -> CostRates:
@@ -37,26 +38,38 @@ def instrument(index: BlockIndex, metrics: RouterMetrics) -> BlockIndex:
     return InstrumentedIndex(index, IndexMetrics(metrics.registry))  # type: ignore[return-value]
 
 
+def eviction_tracker(
+    settings: RouterSettings, clock: Callable[[], float] | None = None
+) -> EvictionTracker | None:
+    """The memory-pressure tracker a cost policy reads (None: off, or a policy that reads
+    no pressure)."""
+    if settings.eviction_window_s <= 0 or settings.policy not in COST_POLICIES:
+        return None
+    return EvictionTracker(settings.eviction_window_s, clock or time.monotonic)
+
+
 def build_router(
     settings: RouterSettings,
     *,
     index: BlockIndex,
     layouts: LayoutRegistry,
-    registry: Any,
+    registry: HealthyInstances,
     metrics: RouterMetrics | None = None,
     tokenizer: RoutingTokenizer | None = None,
     policy: Policy | None = None,
+    evictions: EvictionTracker | None = None,
     clock: Callable[[], float] | None = None,
     affinity: SessionAffinity | None = None,
     full_only: bool | None = None,
 ) -> Router:
     """The routing core from ``settings``. ``index`` should already be ``instrument``ed
     when ingest writes through it too; ``policy`` overrides ``settings.policy``'s (the
-    simulator seeds its tie-breaking); ``clock`` drives speculative expiry (virtual time);
-    ``affinity`` keeps sessions on their instance (applied after the policy's ranking);
-    ``full_only`` overrides the scorer's group filter (default: the ``prefix_full_only``
-    baseline scores full-attention groups only). A cost policy is handed an
-    ``EvictionTracker`` (``router.evictions``: ingest feeds it every batch)."""
+    simulator seeds its tie-breaking; it then passes the ``evictions`` its policy reads);
+    ``clock`` drives speculative expiry (virtual time); ``affinity`` keeps sessions on
+    their instance (applied after the policy's ranking); ``full_only`` overrides the
+    scorer's group filter (default: the ``prefix_full_only`` baseline scores
+    full-attention groups only). Ingest feeds ``router.prediction`` (its listener) every
+    batch: the eviction tracker a cost policy reads is fed there."""
     metrics = metrics or RouterMetrics()
     index = instrument(index, metrics)
     speculative = (
@@ -64,7 +77,16 @@ def build_router(
         if clock is None
         else SpeculativeResidency(settings.speculative_ttl_s, clock=clock)
     )
-    router = Router(
+    if policy is None:
+        evictions = evictions or eviction_tracker(settings, clock)
+        policy = make_policy(
+            settings.policy,
+            temperature=settings.temperature,
+            rates=policy_rates(settings),
+            roomy=evictions.roomy if evictions is not None else None,
+        )
+    prompt_hashes = PromptHashes(settings.hash_algo, settings.seed)
+    return Router(
         registry=registry,
         scorer=Scorer(
             index,
@@ -72,20 +94,11 @@ def build_router(
             full_only=settings.policy == "prefix_full_only" if full_only is None else full_only,
         ),
         index=index,
-        policy=policy
-        or make_policy(
-            settings.policy, temperature=settings.temperature, rates=policy_rates(settings)
-        ),
+        policy=policy,
         tokenizer=tokenizer or RoutingTokenizer(settings.tokenizer),
-        speculative=speculative,
+        prediction=PredictOnRoute(speculative, layouts, prompt_hashes, evictions),
+        prompt_hashes=prompt_hashes,
         metrics=metrics,
         block_size=settings.block_size,
-        hash_algo=settings.hash_algo,
-        seed=settings.seed,
         affinity=affinity,
     )
-    if settings.eviction_window_s > 0 and isinstance(router.policy, CostPolicy):
-        evictions = EvictionTracker(settings.eviction_window_s, clock or time.monotonic)
-        router.evictions, router.policy.roomy = evictions, evictions.roomy
-    layouts.on_change = router.relayout
-    return router

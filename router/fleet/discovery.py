@@ -33,7 +33,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from router.config import InstanceSpec
+from router.fleet.specs import InstanceSpec
 
 __all__ = ["Discovery", "DiscoveryError", "read_event_sources", "resolve_sources", "zmq_listening"]
 

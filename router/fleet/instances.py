@@ -18,8 +18,8 @@ from dataclasses import KW_ONLY, dataclass, field
 
 import httpx
 
-from router.config import InstanceSpec
 from router.fleet.engine_metrics import parse_engine_metrics
+from router.fleet.specs import InstanceSpec
 
 __all__ = ["Instance", "InstanceRegistry"]
 
@@ -90,9 +90,9 @@ class InstanceRegistry:
     on_change: OnChange | None = None
     on_block_size: Callable[[str, int], None] | None = None
     # Called after each probe round (admission re-checks its thresholds).
-    on_probed: Callable[[], None] | None = field(default=None, init=False)
+    on_probed: Callable[[], None] | None = None
     # Called after each good probe of one instance (its served models are re-read).
-    on_up: Callable[[Instance], Awaitable[None]] | None = field(default=None, init=False)
+    on_up: Callable[[Instance], Awaitable[None]] | None = None
     _instances: dict[str, Instance] = field(default_factory=dict, init=False, repr=False)
     _task: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
 

@@ -83,6 +83,7 @@ from router.decision.policy.base import Breakdown, Candidate, CostRates, Decisio
 from router.decision.policy.fit import Backlog, TtftFit
 
 __all__ = [
+    "COST_POLICIES",
     "POLICIES",
     "Breakdown",
     "Candidate",
@@ -459,6 +460,7 @@ class _Breakdowns(Mapping[str, Breakdown]):
 
 
 POLICIES = ("cost", "round_robin", "least_loaded", "prefix_full_only")
+COST_POLICIES = ("cost", "prefix_full_only")  # the cost policy (and its scorer-side baseline)
 
 
 def make_policy(
@@ -468,10 +470,12 @@ def make_policy(
     rates: CostRates | None = None,
     clock: Callable[[], float] = time.monotonic,
     rng: random.Random | None = None,
+    roomy: Callable[[str], bool] | None = None,
 ) -> Policy:
-    """``prefix_full_only`` is the cost policy; the caller pairs it with a full-only scorer."""
-    if name in ("cost", "prefix_full_only"):
-        policy = CostPolicy(rates, temperature=temperature, clock=clock, rng=rng)
+    """``prefix_full_only`` is the cost policy; the caller pairs it with a full-only scorer.
+    ``roomy``: which instances have KV room (``EvictionTracker.roomy``), cost policy only."""
+    if name in COST_POLICIES:
+        policy = CostPolicy(rates, temperature=temperature, clock=clock, rng=rng, roomy=roomy)
         policy.name = name
         return policy
     if name == "round_robin":
