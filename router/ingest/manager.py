@@ -220,9 +220,11 @@ class IngestManager:
     async def _starting_point(self, feed: Feed, start_seq: int | None) -> int | None:
         """Where a new feed starts. A shared index that already holds the instance (a
         replica restarted while others kept ingesting, or within the heartbeat's TTL) is
-        exact at once: continue after its cursor rather than clearing and replaying.
-        Otherwise rebuild from seq 0 (replay): nothing is known yet, so batches the buffer
-        no longer has are only counted, as during a resync."""
+        exact at once: replay from its cursor's batch -- the anchor: the publisher's copy
+        must carry the cursor's ts, else the engine restarted since and the state is
+        cleared and rebuilt -- rather than clearing and replaying. Otherwise rebuild from
+        seq 0 (replay): nothing is known yet, so batches the buffer no longer has are
+        only counted, as during a resync."""
         try:
             cursor = await self.index.cursor(feed.source.name)
         except Exception:
@@ -230,7 +232,10 @@ class IngestManager:
         if cursor is not None:
             feed.view.kept(cursor[1])
             feed.synced = True
-            return cursor[1] + 1 if feed.source.replay_endpoint else None
+            if not feed.source.replay_endpoint:
+                return None  # nothing to check it against: the live stream continues it
+            feed.anchor = cursor
+            return cursor[1]
         feed.view.rebuild(0, "replay" if start_seq == 0 else "live")
         feed.resyncing = start_seq == 0
         return start_seq
@@ -239,6 +244,18 @@ class IngestManager:
         """Handle subscriber items in order, each run of batches with one ``apply_many``;
         True asks for a resubscription from seq 0 (the rest of ``items`` is dropped with
         the subscriber, as a resubscription would deliver it again)."""
+        if feed.anchor is not None and items:
+            anchor, feed.anchor = feed.anchor, None
+            first = items[0]
+            if not isinstance(first, BatchReceived) or first.seq != anchor[1]:
+                log.warning(
+                    "%s: the index's batch %d is not replayable", feed.source.name, anchor[1]
+                )
+                return await self._resync(feed)
+            if first.batch.ts != anchor[0]:
+                log.warning("%s: restarted since the index's batch %d", feed.source.name, anchor[1])
+                return await self._resync(feed)
+            items = items[1:]  # the index's own last batch: already applied
         i = 0
         while i < len(items):
             first = items[i]

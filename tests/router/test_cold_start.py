@@ -200,6 +200,47 @@ async def _decided(mgr: IngestManager, name: str) -> dict | None:
     return view if view is not None and view["view"] != "waiting" else None
 
 
+async def test_a_kept_state_of_an_engine_that_restarted_since_is_rebuilt_not_continued(
+    redis_server, endpoints
+):
+    """The engine restarted while no replica ran and counted past the index's cursor: its
+    batch at the cursor's seq is another one (another ts), so the old state is cleared
+    and the new incarnation rebuilt from replay -- never continued onto the old blocks."""
+    events, replay = endpoints
+    ns = new_namespace()
+    idx_a, idx_b = (RedisIndex(redis_server.url, namespace=ns) for _ in range(2))
+    a = IngestManager(idx_a, registry=CollectorRegistry())
+    b = IngestManager(idx_b, registry=CollectorRegistry())
+    old = ZmqEventPublisher(endpoint=events, bind=True, replay_endpoint=replay)
+    try:
+        publish_history(old, 6)
+        await a.add_instance("e1", events, replay, start_seq=0)
+        await catch_up(a, "e1", old, 5)
+        await a.close()
+        old.shutdown()
+        new = await rebind(events, replay)
+        try:
+            for i in range(12):  # past the old cursor's seq
+                new.publish(batch(stored([200 + i]), ts=time.time()))
+            while new.published < 12:
+                await asyncio.sleep(0.005)
+            await b.add_instance("e1", events, replay, start_seq=0)
+            await catch_up(b, "e1", new, 11)
+            view = b.view("e1")
+            assert (view["view"], view["origin"]) == ("complete", "replay")
+            assert await held_by(idx_b, "e1", 12) == set()  # the old blocks are gone
+            hashes = list(range(200, 212))
+            assert (await idx_b.lookup(hashes))["e1"] == {G0: (1 << 12) - 1}
+        finally:
+            new.shutdown()
+    finally:
+        await a.close()
+        await b.close()
+        await idx_b.clear("e1")
+        await idx_a.close()
+        await idx_b.close()
+
+
 class Engine(ScriptedUpstream):
     """An engine's HTTP face for the router's probes (``/health`` and the rest: ``200 {}``)."""
 
