@@ -11,7 +11,7 @@ from collections.abc import Callable
 from router.config import RouterSettings
 from router.decision.decide import HealthyInstances, Router
 from router.decision.layout import LayoutRegistry
-from router.decision.policy.cost import COST_POLICIES, CostRates, Policy, make_policy
+from router.decision.policy import COST_POLICIES, CostRates, Policy, make_policy
 from router.decision.prompt_hashes import PromptHashes
 from router.decision.score import Scorer
 from router.decision.tokenize import RoutingTokenizer

@@ -13,7 +13,7 @@ import yaml
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from router.decision.policy.cost import POLICIES
+from router.decision.policy import POLICIES
 from router.fleet.specs import parse_instance
 
 __all__ = ["RouterSettings", "load_settings"]

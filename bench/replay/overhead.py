@@ -31,7 +31,7 @@ from events.structs import BlockStored, KVEventBatch
 from router.build import build_router
 from router.config import RouterSettings
 from router.decision.layout import InstanceLayout, LayoutRegistry
-from router.decision.policy.cost import Candidate
+from router.decision.policy import Candidate
 from router.decision.prompt_hashes import PromptHashes
 from router.fleet.instances import Instance
 from router.fleet.specs import InstanceSpec

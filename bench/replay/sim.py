@@ -1,7 +1,7 @@
 """``--mode sim``: the whole side-by-side replay in one process on a virtual clock.
 
 No re-implementation: each engine is the real ``KVCacheManager`` + ``EngineCore`` (the
-scheduler the HTTP engine runs), and the router side is the real ``router.decide.Router``
+scheduler the HTTP engine runs), and the router side is the real ``router.decision.decide.Router``
 (tokenizer, vLLM block hashing, ``Scorer`` over a ``MemoryIndex``, speculative residency,
 the policy), with the proxy's load accounting (in flight until the first token, running
 until the last) and its TTFT feedback to the policy. What is left out is the wire: each
@@ -39,7 +39,7 @@ from events.structs import KVEventBatch
 from router.build import build_router, eviction_tracker
 from router.config import RouterSettings
 from router.decision.layout import InstanceLayout, LayoutRegistry
-from router.decision.policy.cost import (
+from router.decision.policy import (
     COST_POLICIES,
     CostRates,
     LeastLoadedPolicy,

@@ -23,7 +23,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
-from router.decision.policy.cost import Decision
+from router.decision.policy import Decision
 
 __all__ = ["AffinityConfig", "SessionAffinity"]
 

@@ -50,7 +50,7 @@ class Instance:
     errors: int = 0
     down_since: float | None = None
     # The engine's own load, KV usage and prefix-cache counters from its /metrics
-    # (``router.engine_metrics``), as of the last probe; shown by /dashboard.
+    # (``router.fleet.engine_metrics``), as of the last probe; shown by /dashboard.
     engine_stats: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -36,7 +36,7 @@ def _authorized(request: Request, token: str) -> bool:
 
 
 def create_app(state: RouterState) -> ProxyEndpoints:
-    """The ASGI app: the proxy endpoints in front (``router.fastpath``), FastAPI behind
+    """The ASGI app: the proxy endpoints in front (``router.http.fastpath``), FastAPI behind
     (``.app``) for everything else."""
     app = FastAPI(title="kvroute router", docs_url=None, redoc_url=None)
     s = state.settings

@@ -1,11 +1,11 @@
 """The OpenAI proxy endpoints as a raw ASGI layer in front of FastAPI.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` are the hot path: they skip
-FastAPI's routing, request objects and response classes (about a third of the proxy's
-time on the overhead benchmark), read the body straight from ``receive``, decode only the
-fields routing needs (msgspec), and write the answer with ``send``. Everything else --
-``/debug/route``, admin, metrics, health, the dashboard -- goes on to the FastAPI app.
-Bad input gets the same 4xx JSON errors as before; the body is forwarded as received.
+FastAPI's routing, request objects and response classes (a large share of the proxy's
+time otherwise), read the body straight from ``receive``, decode only the fields routing
+needs (msgspec), and write the answer with ``send``. Everything else -- ``/debug/route``,
+admin, metrics, health, the dashboard -- goes on to the FastAPI app. Bad input gets the
+4xx OpenAI errors of ``router.http.replies``; the body is forwarded as received.
 """
 
 from __future__ import annotations

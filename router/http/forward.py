@@ -10,8 +10,8 @@ chunk, unbuffered; if the instance dies mid-stream the client gets an SSE error 
 the connection ends. A non-streaming answer is read whole and sent with its length (no
 chunked re-encoding: one write, as the engine sent it).
 
-The hot path runs on ``router.upstream`` (pooled keep-alive HTTP/1.1 on asyncio protocols
-and httptools): httpx cost about a millisecond of CPU per forward, aiohttp a tenth of one.
+The hot path runs on ``router.http.upstream`` (pooled keep-alive HTTP/1.1 on asyncio
+protocols and httptools: the cheapest client measured, docs/design/cost-policy.md).
 While passing through, the tail of the body is kept (bounded) to read the engine's
 ``usage.kv_hit`` at the end and compare it with the prediction (exactness metrics).
 """
@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from router.decision.decide import RouteDecision
-from router.decision.policy.cost import Policy
+from router.decision.policy import Policy
 from router.decision.request import RoutedRequest
 from router.fleet.instances import Instance, InstanceRegistry
 from router.http.replies import Receive, Reply, Send, error_reply, stream_error_chunk

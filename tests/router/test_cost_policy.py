@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from router.decision.policy.cost import Breakdown, Candidate, CostPolicy
+from router.decision.policy import Breakdown, Candidate, CostPolicy
 from router.decision.policy.fit import Backlog, TtftFit
 
 

@@ -105,7 +105,7 @@ async def test_batches_are_applied_in_order_and_counted_by_type_and_status():
 
 
 async def test_every_batch_reaches_the_eviction_tracker():
-    """Memory pressure is read from ingest's batches (``router.pressure``)."""
+    """Memory pressure is read from ingest's batches (``router.prediction.pressure``)."""
     from router.prediction.pressure import EvictionTracker
 
     idx, reg = MemoryIndex(), CollectorRegistry()
