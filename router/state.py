@@ -16,7 +16,7 @@ from router.decision.layout import LayoutRegistry, default_layout
 from router.decision.tokenize import RoutingTokenizer
 from router.fleet.admission import AdmissionConfig, AdmissionController
 from router.fleet.affinity import AffinityConfig, SessionAffinity
-from router.fleet.discovery import Discovery
+from router.fleet.discovery import Discovery, DiscoveryError
 from router.fleet.instances import Instance, InstanceRegistry
 from router.fleet.models import ModelRegistry
 from router.fleet.specs import InstanceSpec, parse_instance, rank_specs
@@ -127,7 +127,11 @@ class RouterState:
 
     async def start(self) -> None:
         for text in self.settings.instances:
-            await self.add_instance(parse_instance(text), probe=False)
+            try:
+                await self.add_instance(parse_instance(text), probe=False)
+            except DiscoveryError as exc:  # the operator's fix, said once, not in a traceback
+                log.error("cannot follow %s: %s", text, exc)
+                raise
         await self.registry.start()
         self._layout_task = asyncio.create_task(self._share_layouts(), name="layouts")
         log.info(
