@@ -121,9 +121,11 @@ async def _reachable(
     if not endpoint.startswith("tcp://"):
         raise DiscoveryError(f"{url} rank {rank}: unsupported {key} {endpoint!r}")
     bound, _ = endpoint.removeprefix("tcp://").rsplit(":", 1)
-    if bound in _WILDCARDS or "::" in bound:
+    # vLLM binds what holds "*" or "::" (its rule); a bound 0.0.0.0 too listens everywhere,
+    # but an events endpoint on 0.0.0.0 holds neither: vLLM connects there.
+    if bound in ("*", "[::]", "::") or (always_bound and bound == "0.0.0.0"):
         return _at_host(endpoint, host)
-    if always_bound or await zmq_listening(endpoint):
+    if "::" in bound or always_bound or await zmq_listening(endpoint):
         return endpoint  # bound there by vLLM (a tcp://*:0 it resolved, or a replay ROUTER)
     raise DiscoveryError(
         f"{url} rank {rank}: vLLM connects its KV event publisher to {endpoint} (it binds "

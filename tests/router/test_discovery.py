@@ -104,6 +104,17 @@ async def test_wildcard_endpoints_are_reached_at_the_instance_host():
     ]
     v6 = await resolve_sources("http://[fd00::7]:8000", {0: source("tcp://[::]:5557")})
     assert v6[0].events == "tcp://[fd00::7]:5557"
+    # vLLM binds a concrete IPv6 address ("::" in it): reached there, unprobed.
+    bound6 = await resolve_sources("http://h:8000", {0: source("tcp://[fd00::9]:5557")})
+    assert bound6[0].events == "tcp://[fd00::9]:5557"
+    # A replay ROUTER on 0.0.0.0 listens everywhere; an events endpoint there is one vLLM
+    # connects to (neither "*" nor "::" in it).
+    any4 = await resolve_sources(
+        "http://10.0.0.7:8000", {0: source("tcp://*:5557", f"tcp://0.0.0.0:{free_port()}")}
+    )
+    assert any4[0].replay.startswith("tcp://10.0.0.7:")
+    with pytest.raises(DiscoveryError, match="vLLM connects"):
+        await resolve_sources("http://127.0.0.1:8000", {0: source(f"tcp://0.0.0.0:{free_port()}")})
 
 
 async def test_every_data_parallel_rank_becomes_a_target_with_its_own_endpoints():
