@@ -14,7 +14,8 @@ def router(
     port: int = typer.Option(None, help="Port [default 8080]."),
     instance: list[str] = typer.Option(
         None,
-        help="URL[=EVENTS_ENDPOINT[,replay=ENDPOINT][,topic=T][,model=NAME][,dp=N]] or "
+        help="URL alone (vLLM 0.32+: endpoints and ranks read from its /kv_event_sources), "
+        "URL=[EVENTS_ENDPOINT[,replay=ENDPOINT][,topic=T][,model=NAME][,dp=N]] or "
         "URL=<--kv-events-config JSON>[,model=NAME][,dp=N]; repeatable.",
     ),
     index: str = typer.Option(

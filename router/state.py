@@ -16,6 +16,7 @@ from router.decision.layout import LayoutRegistry, default_layout
 from router.decision.tokenize import RoutingTokenizer
 from router.fleet.admission import AdmissionConfig, AdmissionController
 from router.fleet.affinity import AffinityConfig, SessionAffinity
+from router.fleet.discovery import Discovery, DiscoveryError
 from router.fleet.instances import Instance, InstanceRegistry
 from router.fleet.models import ModelRegistry
 from router.fleet.specs import InstanceSpec, parse_instance, rank_specs
@@ -61,7 +62,14 @@ class RouterState:
             on_change=self._health_changed,
             on_block_size=self.layouts.hint_block_size,
             on_probed=self.admission.notify,  # thresholds re-checked
-            on_up=self.models.refresh,  # served models re-read
+            on_up=self._probed_up,  # served models re-read (sources, until read once)
+        )
+        # Instances named by URL alone: their event sources read from vLLM.
+        self.discovery = Discovery(
+            self.client,
+            s.health_timeout_s,
+            lambda spec: self._add_target(spec, probe=False),
+            self._remove_target,
         )
         self.affinity = SessionAffinity(
             AffinityConfig(**s.section("session")), self.metrics.registry
@@ -92,10 +100,22 @@ class RouterState:
         )
         self._layout_task: asyncio.Task[None] | None = None
 
+    async def _probed_up(self, inst: Instance) -> None:
+        """After each good probe: an instance named by URL alone whose sources could not
+        be read yet is read now; then its served models."""
+        if inst.http_url in self.discovery.pending:
+            await self.discovery.refresh(inst.http_url)
+        if self.registry.get(inst.url) is inst:
+            await self.models.refresh(inst)
+
     async def _health_changed(self, inst: Instance, up: bool) -> None:
         """A down instance's cache is unknown -- it may come back restarted, empty: drop
-        its residency now and rebuild it from its events (replay, then the live stream)."""
+        its residency now and rebuild it from its events (replay, then the live stream).
+        One named by URL alone is read again when it is back: a restarted vLLM may
+        publish elsewhere."""
         if up:
+            if inst.http_url in self.discovery:
+                await self.discovery.refresh(inst.http_url)
             return
         self.prediction.forget(inst.url)
         if inst.spec.events and inst.url in self.ingest.instances():
@@ -107,7 +127,11 @@ class RouterState:
 
     async def start(self) -> None:
         for text in self.settings.instances:
-            await self.add_instance(parse_instance(text), probe=False)
+            try:
+                await self.add_instance(parse_instance(text), probe=False)
+            except DiscoveryError as exc:  # the operator's fix, said once, not in a traceback
+                log.error("cannot follow %s: %s", text, exc)
+                raise
         await self.registry.start()
         self._layout_task = asyncio.create_task(self._share_layouts(), name="layouts")
         paths = native_paths()
@@ -133,7 +157,14 @@ class RouterState:
 
     async def add_instance(self, spec: InstanceSpec, *, probe: bool = True) -> Instance:
         """Register an instance (``dp=N``: one target per data-parallel rank, the first
-        returned)."""
+        returned; a URL alone: as its ``/kv_event_sources`` says)."""
+        if spec.discover:
+            specs = await self.discovery.add(spec)
+            targets = [i for s in specs if (i := self.registry.get(s.url)) is not None]
+            if probe:
+                for inst in targets:
+                    await self.registry.probe(inst)
+            return targets[0]
         targets = [await self._add_target(t, probe=probe) for t in rank_specs(spec)]
         return targets[0]
 
@@ -159,6 +190,7 @@ class RouterState:
         """Remove a target, or every rank target of the instance at ``url``."""
         url = url.rstrip("/")
         names = [i.url for i in self.registry.all() if url in (i.url, i.http_url)]
+        self.discovery.forget(url)
         for name in names:
             await self._remove_target(name)
         return bool(names)
@@ -195,4 +227,5 @@ class RouterState:
             "served": inst.served,
             "models": self.models.describe(inst.url),
             "last_seq": self.ingest.last_seq(inst.url) if inst.spec.events else None,
+            "view": self.ingest.view(inst.url),
         }

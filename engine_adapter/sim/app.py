@@ -9,6 +9,7 @@ benchmarks can attribute load even behind routers that add no header.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -335,6 +336,18 @@ def create_app(
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if all(c.healthy for c in cores) else 503)
+
+    @app.get("/kv_event_sources")
+    async def kv_event_sources() -> dict:
+        """As vLLM 0.32+: each data-parallel rank's publisher config with its endpoints as
+        resolved (port offset, a port 0 the OS picked); ranks that publish nothing are
+        left out, as vLLM leaves out a null publisher's."""
+        out = {}
+        for rank, c in enumerate(cores):
+            cfg = c.publisher.get_publisher_config()
+            if cfg is not None:
+                out[str(rank)] = dataclasses.asdict(cfg)
+        return out
 
     @app.get("/metrics")
     async def metrics() -> Response:

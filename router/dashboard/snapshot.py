@@ -194,6 +194,7 @@ def _ingest(state: RouterState, m: Samples, url: str) -> dict[str, Any] | None:
     batches = m.by("kvroute_ingest_batches_total", "source", instance=url)
     return {
         "last_seq": state.ingest.last_seq(url),
+        "view": state.ingest.view(url),
         "batches_live": int(batches.get("live", 0)),
         "batches_replay": int(batches.get("replay", 0)),
         "events_applied": {k: int(v) for k, v in sorted(events.items())},

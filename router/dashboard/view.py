@@ -206,13 +206,26 @@ def _residency(snap: dict[str, Any]) -> dict[str, Any]:
     return {"cols": cols, "rows": rows, "empty": "no instances registered" + note, "left": [1]}
 
 
+def _view(view: dict[str, Any] | None) -> Cell:
+    """Complete or partial (vLLM's replay buffer no longer reaches seq 0), and why."""
+    if view is None:
+        return NA
+    lost = view["lost_seqs"]
+    if view["view"] == "partial":
+        why = f"batches {lost[0]}..{lost[1]} gone" if lost else "cleared, no replay"
+        return {"t": "partial", "c": "bad", "title": f"{why} (since {view['origin']})"}
+    if view["view"] == "complete":
+        return {"t": "complete", "title": f"from {view['origin']}"}
+    return {"t": "waiting", "c": "na", "title": "no batch applied since the rebuild began"}
+
+
 def _ingest(snap: dict[str, Any]) -> dict[str, Any]:
     rows = []
     for i in snap["instances"]:
         g = i["ingest"]
         if g is None:
             cells: list[Cell] = [_inst(i["url"]), {"t": "no event stream", "c": "na"}]
-            cells += ["" for _ in range(8)]
+            cells += ["" for _ in range(9)]
             rows.append({"k": i["url"], "cells": cells})
             continue
         ev = g["events_applied"]
@@ -221,6 +234,7 @@ def _ingest(snap: dict[str, Any]) -> dict[str, Any]:
                 "k": i["url"],
                 "cells": [
                     _inst(i["url"]),
+                    _view(g["view"]),
                     NA if g["last_seq"] is None else str(g["last_seq"]),
                     f"{_n(g['batches_live'])} / {_n(g['batches_replay'])}",
                     f"{_n(ev.get('BlockStored', 0))} / {_n(ev.get('BlockRemoved', 0))}"
@@ -239,6 +253,7 @@ def _ingest(snap: dict[str, Any]) -> dict[str, Any]:
     return {
         "cols": [
             "instance",
+            "view",
             "last seq",
             "batches live / replay",
             "events stored / removed / cleared",

@@ -36,6 +36,9 @@ class InstanceSpec:
     # (``rank_specs``), named ``URL#dpR`` and reached with vLLM's X-data-parallel-rank.
     dp_size: int = 1
     dp_rank: int | None = None
+    # A bare ``URL``: its event endpoints and data-parallel ranks are read from vLLM's
+    # ``GET /kv_event_sources`` (``router.fleet.discovery``); ``URL=`` means no events.
+    discover: bool = False
 
     @property
     def http_url(self) -> str:
@@ -107,14 +110,17 @@ def from_kv_events_config(url: str, text: str) -> InstanceSpec:
 def parse_instance(text: str) -> InstanceSpec:
     """Parse one ``--instance`` value; raises ValueError with the reason.
 
+    ``URL`` alone (endpoints and ranks discovered from the instance),
     ``URL=EVENTS[,replay=EP][,topic=T][,model=NAME]...[,dp=N]``, or ``URL=<vLLM's
     --kv-events-config JSON>`` optionally followed by ``,model=NAME`` / ``,dp=N``.
     """
-    url, _, rest = text.strip().partition("=")
+    url, eq, rest = text.strip().partition("=")
     url = url.rstrip("/")
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise ValueError(f"instance URL must be http(s)://host:port, got {url!r}")
+    if not eq:
+        return InstanceSpec(url, discover=True)
     rest = rest.strip()
     if rest.startswith("{"):
         try:

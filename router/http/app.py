@@ -62,6 +62,8 @@ def create_app(state: RouterState) -> ProxyEndpoints:
             "lora": routed.lora[0] if routed.lora else None,
         }
         out["admission"] = state.admission.describe(routed.pool)
+        for cand in out["candidates"]:  # complete or partial: what a cold start rebuilt
+            cand["view"] = state.ingest.view(cand["instance"])
         return JSONResponse(out)
 
     @app.get("/v1/models")

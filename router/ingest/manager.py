@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 from dataclasses import KW_ONLY, InitVar, dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -123,6 +124,11 @@ class IngestManager:
     def last_seq(self, name: str) -> int | None:
         return self._feeds[name].last_seq
 
+    def view(self, name: str) -> dict[str, Any] | None:
+        """Whether ``name``'s state is complete or partial (``router.ingest.view``)."""
+        feed = self._feeds.get(name)
+        return None if feed is None else feed.view.describe()
+
     async def wait_for_seq(self, name: str, seq: int, timeout: float = 10.0) -> None:
         """Wait until a batch with sequence ``>= seq`` of ``name`` has been applied."""
         feed = self._feeds[name]
@@ -174,6 +180,8 @@ class IngestManager:
         if resync:
             start_seq = 0 if await self._resync(feed) else None
             feed.resyncing = start_seq == 0
+        else:
+            start_seq = await self._starting_point(feed, start_seq)
         failures = 0
         while not (self._closed or feed.stopped):
             sub = feed.sub = self._factory(feed.source, start_seq)
@@ -209,10 +217,45 @@ class IngestManager:
             else:
                 start_seq = None
 
+    async def _starting_point(self, feed: Feed, start_seq: int | None) -> int | None:
+        """Where a new feed starts. A shared index that already holds the instance (a
+        replica restarted while others kept ingesting, or within the heartbeat's TTL) is
+        exact at once: replay from its cursor's batch -- the anchor: the publisher's copy
+        must carry the cursor's ts, else the engine restarted since and the state is
+        cleared and rebuilt -- rather than clearing and replaying. Otherwise rebuild from
+        seq 0 (replay): nothing is known yet, so batches the buffer no longer has are
+        only counted, as during a resync."""
+        try:
+            cursor = await self.index.cursor(feed.source.name)
+        except Exception:
+            cursor = None  # unreachable index: ingest retries and checks the cursor later
+        if cursor is not None:
+            feed.view.kept(cursor[1])
+            feed.synced = True
+            if not feed.source.replay_endpoint:
+                return None  # nothing to check it against: the live stream continues it
+            feed.anchor = cursor
+            return cursor[1]
+        feed.view.rebuild(0, "replay" if start_seq == 0 else "live")
+        feed.resyncing = start_seq == 0
+        return start_seq
+
     async def _handle_many(self, feed: Feed, items: list[SubscriberItem]) -> bool:
         """Handle subscriber items in order, each run of batches with one ``apply_many``;
         True asks for a resubscription from seq 0 (the rest of ``items`` is dropped with
         the subscriber, as a resubscription would deliver it again)."""
+        if feed.anchor is not None and items:
+            anchor, feed.anchor = feed.anchor, None
+            first = items[0]
+            if not isinstance(first, BatchReceived) or first.seq != anchor[1]:
+                log.warning(
+                    "%s: the index's batch %d is not replayable", feed.source.name, anchor[1]
+                )
+                return await self._resync(feed)
+            if first.batch.ts != anchor[0]:
+                log.warning("%s: restarted since the index's batch %d", feed.source.name, anchor[1])
+                return await self._resync(feed)
+            items = items[1:]  # the index's own last batch: already applied
         i = 0
         while i < len(items):
             first = items[i]
@@ -242,9 +285,11 @@ class IngestManager:
                 log.warning("%s: publisher restarted (seq %d -> %d)", name, last, new)
                 self.metrics.restarts.labels(name).inc()
                 feed.pending_reset = True
+                feed.view.rebuild(0, "restart")  # the engine's cache starts empty
                 return False
             case BatchesMissed(first_seq=first, last_seq=last):
                 self.metrics.missed.labels(name).inc(last - first + 1)
+                feed.view.missed(first, last)
                 if feed.resyncing:
                     return False  # older than the publisher's buffer: nothing more to get
                 return await self._resync(feed)
@@ -261,7 +306,9 @@ class IngestManager:
             await self.index.clear(name)
             feed.pending_reset = False
         if feed.source.replay_endpoint is None:
+            feed.view.cleared()
             return False
+        feed.view.rebuild(0, "replay")
         feed.last_seq = None  # waiters wait for the rebuilt state, not the cleared one
         return True
 
@@ -378,6 +425,7 @@ class IngestManager:
             m.lag.labels(name).set(lag)
             m.lag_hist.observe(lag)
         feed.last_seq = rec.seq
+        feed.view.applied(rec.seq)
         feed.handled += 1
         m.last_seq.labels(name).set(rec.seq)
         feed.changed.set()

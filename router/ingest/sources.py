@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from events.subscriber import SubscriberItem
+from router.ingest.view import ViewState
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,3 +49,7 @@ class Feed:
     stopped: bool = False
     seen_stats: dict[str, int] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    view: ViewState = field(default_factory=ViewState)  # complete or partial, and why
+    # ``(ts, seq)`` of the shared index's cursor when the feed started from it: the first
+    # replayed batch must be that one, else the engine restarted since (another incarnation).
+    anchor: tuple[float, int] | None = None

@@ -203,9 +203,8 @@ def test_page_names_every_instance_state_updates_and_decisions_explain(tmp_path)
                 inst = {i["url"]: i for i in s["instances"]}[holder]
                 ok = s["totals"]["requests"].get("ok", 0) == 3 and len(s["decisions"]) == 3
                 blocks = sum(b["blocks"] for b in inst["blocks"] or [])
-                has_engine = "kv_gpu_usage" in inst["engine"] and inst["engine"].get(
-                    "prefix_queries"
-                )
+                # The engine's hits as of a probe after the later turns (every 2 s).
+                has_engine = "kv_gpu_usage" in inst["engine"] and inst["hit_ratio"]["gpu"]
                 return (
                     s
                     if ok and blocks and has_engine and inst["ingest"]["last_seq"] is not None

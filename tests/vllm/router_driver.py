@@ -44,6 +44,7 @@ class RouterUnderTest:
     servers: list[VllmServer]
     log_dir: Path
     env: dict[str, str] = field(default_factory=dict)
+    zero_config: bool = False  # each --instance is the URL alone (read /kv_event_sources)
     proc: subprocess.Popen | None = None
     port: int = 0
     _seen: dict[str, int] = field(default_factory=dict)  # instance -> newest seq published
@@ -61,7 +62,8 @@ class RouterUnderTest:
         cmd = [sys.executable, "-m", "kvroute_cli.main", "router", "--port", str(self.port)]
         cmd += ["--health-interval", "0.5"]
         for s in self.servers:
-            cmd += ["--instance", f"{s.url}={json.dumps(s.kv_events_config)}"]
+            spec = s.url if self.zero_config else f"{s.url}={json.dumps(s.kv_events_config)}"
+            cmd += ["--instance", spec]
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN}
         with self.log_path.open("wb") as fh:
