@@ -6,7 +6,8 @@ the package was installed) or ``KVROUTE_NO_NATIVE=1`` is set -- the caller then 
 Python path. The extensions (built by ``pip install -e .``, see pyproject's ext-modules):
 
 * ``events._native`` -- vLLM's chained block hashing (``events.hashing``);
-* ``router._refcounts`` -- the speculative store's refcount table (``router.prediction.speculative``);
+* ``router._refcounts`` -- the speculative store's refcount table
+  (``router.prediction.speculative``);
 * ``router.index._memindex`` -- the memory index's block table (``router.index.memory``).
 
 ``native_paths()`` says which were asked for and which loaded (the router logs it at
