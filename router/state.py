@@ -65,8 +65,16 @@ class RouterState:
         self.index = instrument(open_index(s.index, **redis_opts), self.metrics)
         self.layouts = LayoutRegistry(default=parse_layout(s.default_layout, s.block_size))
         self.ingest = IngestManager(self.index, self.layouts, registry=self.metrics.registry)
+        # Probes on the data plane's keep-alive client: kept connections (below uvicorn's
+        # 5 s idle close) and no pool scans (router.instances).
+        self.prober = UpstreamPool(
+            connect_timeout_s=s.health_timeout_s,
+            request_timeout_s=s.health_timeout_s,
+            keepalive_s=min(4.0, s.health_interval_s + 1.0),
+        )
         self.registry = InstanceRegistry(
             self.client,
+            prober=self.prober,
             **s.section("health"),
             read_metrics=s.engine_metrics,
             on_change=self._health_changed,
@@ -94,7 +102,7 @@ class RouterState:
             AdmissionConfig(**s.section("admission")), self.metrics.registry
         )
         self.registry.on_probed = self.admission.notify
-        self.models = ModelRegistry(self.client, s.health_timeout_s)
+        self.models = ModelRegistry(self.client, s.health_timeout_s, fetch=self.registry.fetch)
         self.registry.on_up = self.models.refresh
         self.forwarder = Forwarder(
             self.registry,
@@ -154,6 +162,7 @@ class RouterState:
         await self.index.close()
         await self.client.aclose()
         self.forwarder.pool.close()
+        self.prober.close()
 
     async def add_instance(self, spec: InstanceSpec, *, probe: bool = True) -> Instance:
         """Register an instance (``dp=N``: one target per data-parallel rank, the first

@@ -18,6 +18,7 @@ from router.ingest.ahead import ReadAhead
 from router.ingest.checks import impossible, plausible_ts
 from router.ingest.metrics import IngestMetrics
 from router.ingest.sources import EventSource, Feed, InstanceSource, SourceFactory
+from router.ingest.trim import HeapTrimmer
 from router.layout import InstanceLayout, LayoutRegistry
 
 # The name it always had (``router.ingest``): log filters and levels keep working.
@@ -48,6 +49,8 @@ class IngestManager:
     # eviction tracker reads memory pressure there).
     on_batch: Callable[[str, KVEventBatch], None] | None = field(default=None, init=False)
     metrics: IngestMetrics = field(init=False)
+    # Gives the heap back to the OS once a large backlog has been applied.
+    trimmer: HeapTrimmer = field(default_factory=HeapTrimmer, init=False)
     _feeds: dict[str, Feed] = field(default_factory=dict, init=False, repr=False)
     _beat: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
     _watch: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
@@ -68,6 +71,7 @@ class IngestManager:
             bind=source.bind,
             replay_timeout=self.replay_timeout,
             name=source.name,
+            token_ids=False,  # routing never recomputes hashes from an event's tokens
         )
 
     # ---- instances ---------------------------------------------------------------------
@@ -185,13 +189,15 @@ class IngestManager:
             ahead: ReadAhead | None = None
             try:
                 await sub.start()
-                ahead = ReadAhead(sub)
+                ahead = ReadAhead(sub, max_blocks=2 * self.drain_blocks)
                 while items := await ahead.next(self.drain_batches):
                     resync = await self._handle_many(feed, items)
                     self._sync_stats(feed, sub)
                     failures = 0
                     if resync:
                         break
+                    if ahead.empty():
+                        self.trimmer.caught_up()
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -232,6 +238,7 @@ class IngestManager:
                 blocks += _blocks(item.batch)
                 run.append(item)
             j = i + len(run)
+            self.trimmer.applied(blocks)
             if await self._apply_run(feed, run):
                 return True
             i = j
