@@ -112,7 +112,9 @@ def _last_seqs(shape: FleetShape) -> tuple[list[int], int, int]:
     return seqs, entries, blocks
 
 
-def _proxy_latency(router_port: int, ports: list[int], shape: FleetShape, n: int) -> dict:
+def _proxy_latency(
+    router_port: int, ports: list[int], shape: FleetShape, n: int, router_pid: int
+) -> dict:
     """Alternate the same fresh requests through the router and straight to the engine
     that holds their document; p50 of each and the difference."""
     import httpx
@@ -122,8 +124,11 @@ def _proxy_latency(router_port: int, ports: list[int], shape: FleetShape, n: int
         json.dumps({"model": "kvroute-sim", "prompt": q.tokens, "max_tokens": 1}).encode()
         for q in qs
     ]
+    from bench.replay.procs import cpu_seconds
+
     via, direct = [], []
     headers = {"content-type": "application/json"}
+    cpu0 = cpu_seconds(router_pid)
     with httpx.Client(timeout=60) as client:
         for k, (q, body) in enumerate(zip(qs, bodies, strict=True)):
             targets = [(f"http://127.0.0.1:{router_port}", via),
@@ -138,8 +143,10 @@ def _proxy_latency(router_port: int, ports: list[int], shape: FleetShape, n: int
                     raise RuntimeError(f"{base}: HTTP {r.status_code}: {r.text[:200]}")
                 if k >= 2:  # first requests open connections
                     out.append(dt)
+    cpu = cpu_seconds(router_pid) - cpu0
     via_p50, direct_p50 = statistics.median(via), statistics.median(direct)
     return {
+        "router_cpu_ms_per_request": cpu / len(qs) * 1e3,  # probes included
         "router_p50_ms": via_p50 * 1e3,
         "direct_p50_ms": direct_p50 * 1e3,
         "added_p50_ms": (via_p50 - direct_p50) * 1e3,
@@ -185,6 +192,9 @@ def _fleet(
         out["entries"] = ing["entries"]
         out["ingest_memory_s"] = ing["seconds"]
         out["cold_catch_up_s"] = ing["cold_seconds"]
+        out["ingest_cpu_s"] = ing["cpu_seconds"]
+        out["ingest_memory_per_cpu_s"] = want_blocks / ing["cpu_seconds"]
+        out["load_during_ingest"] = ing["load"]
         out["ingest_memory_per_s"] = want_blocks / ing["seconds"]
         out["rss_start_mb"] = ing["rss_start_kb"] / 1024
         out["rss_after_ingest_mb"] = ing["rss_kb"] / 1024
@@ -197,7 +207,9 @@ def _fleet(
         dec = router.read("decisions")
         out["decision"] = {k: v for k, v in dec.items() if k != "step"}
         router.read("serving")
-        out["proxy"] = _proxy_latency(router_cfg["router_port"], ports, shape, proxy_requests)
+        out["proxy"] = _proxy_latency(
+            router_cfg["router_port"], ports, shape, proxy_requests, router.proc.pid
+        )
         if churn_s > 0:
             pubs.send(f"churn {churn_s}")
             router.send(f"sample {churn_s + 5}")
@@ -252,6 +264,7 @@ def _redis_ingest(
         "ingest_redis_s": ing["seconds"],
         "redis_cold_catch_up_s": ing["cold_seconds"],
         "ingest_redis_per_s": blocks / ing["seconds"],
+        "ingest_redis_per_cpu_s": blocks / ing["cpu_seconds"],
     }
 
 
@@ -282,9 +295,9 @@ def _print(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     t = Table(title="kvroute bench fleet (one run per row)")
-    cols = ("instances", "entries", "decision p50/p99 ms", "added p50 ms", "peak RSS MB",
-            "B/entry (growth, peak)", "ingest mem /s", "ingest Redis /s", "idle probe CPU",
-            "correct")  # fmt: skip
+    cols = ("instances", "entries", "decision p50/p99 ms (CPU p50)", "added p50 ms",
+            "peak RSS MB", "B/entry (growth, peak)", "ingest mem /s (/CPU-s)", "ingest Redis /s",
+            "idle probe CPU", "correct")  # fmt: skip
     for c in cols:
         t.add_column(c)
     for row in report["fleets"]:
@@ -292,11 +305,11 @@ def _print(report: dict[str, Any]) -> None:
         t.add_row(
             str(row["instances"]),
             f"{row['entries']:,}",
-            f"{dec['p50_ms']:.1f} / {dec['p99_ms']:.1f}",
+            f"{dec['p50_ms']:.1f} / {dec['p99_ms']:.1f} ({dec['cpu_p50_ms']:.1f})",
             f"{row['proxy']['added_p50_ms']:.1f}",
             f"{row['peak_rss_mb']:.0f}",
             f"{row['bytes_per_entry']:.0f}, {row['peak_bytes_per_entry']:.0f}",
-            f"{row['ingest_memory_per_s']:,.0f}",
+            f"{row['ingest_memory_per_s']:,.0f} ({row['ingest_memory_per_cpu_s']:,.0f})",
             f"{row['ingest_redis_per_s']:,.0f}" if "ingest_redis_per_s" in row else "-",
             f"{100 * row['idle_probe_cpu_share']:.1f}%",
             f"{dec['correct']}/{dec['checked']}",

@@ -230,7 +230,7 @@ async def _router(cfg: dict[str, Any]) -> None:
             lifespan="on",
         )
     )
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     serve = asyncio.create_task(server.serve())
     while not server.started:
         if serve.done():
@@ -249,10 +249,11 @@ async def _router(cfg: dict[str, Any]) -> None:
         if not behind or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.002)
-    t_end = time.perf_counter()
+    t_end, cpu = time.perf_counter(), time.process_time() - cpu0
     stats = await _index_stats(state.index)
     _say({
         "step": "ingested", "seconds": t_end - (t_first or t0), "cold_seconds": t_end - t0,
+        "cpu_seconds": cpu, "load": os.getloadavg()[0],
         "behind": len(behind), "entries": stats.get("entries"), "rss_start_kb": rss_start,
         "rss_kb": rss_kb(), "hwm_kb": rss_kb("VmHWM"),
     })  # fmt: skip
@@ -303,16 +304,18 @@ async def _index_stats(index: Any) -> dict[str, Any]:
 async def _decisions(state: Any, shape: FleetShape, n: int, urls: list[str]) -> dict[str, Any]:
     qs = queries(shape, n + shape.docs, salt="decide")
     times: list[float] = []
+    cpu: list[float] = []  # the event loop thread's CPU: what contention does not inflate
     wrong: list[dict[str, Any]] = []
     checked = 0
     gc.collect()
     for k, q in enumerate(qs):
         body = {"model": "kvroute-sim", "prompt": q.tokens, "max_tokens": 1}
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         d = await state.router.decide(body, "completion", record=False, predict=False)
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.thread_time() - c0
         if k >= shape.docs:  # the first of each document also hashes its shared prefix
             times.append(dt)
+            cpu.append(dc)
         chosen = d.decision.instance
         c = d.candidates[chosen]
         checked += 1
@@ -321,7 +324,11 @@ async def _decisions(state: Any, shape: FleetShape, n: int, urls: list[str]) -> 
                           "cpu": c.cpu_tokens, "want": [urls[q.holder], q.gpu_tokens,
                                                         q.cpu_tokens]})  # fmt: skip
     times.sort()
+    cpu.sort()
     return {
+        "cpu_p50_ms": statistics.median(cpu) * 1e3,
+        "cpu_p99_ms": cpu[min(len(cpu) - 1, int(0.99 * len(cpu)))] * 1e3,
+        "load": os.getloadavg()[0],
         "p50_ms": statistics.median(times) * 1e3,
         "p99_ms": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3,
         "max_ms": times[-1] * 1e3,
