@@ -297,6 +297,11 @@ class ZmqEventSubscriber:
             raise StopAsyncIteration
         return self._pending.popleft()
 
+    @property
+    def backlog(self) -> int:
+        """Items received (a replay's answer included) and not yet iterated."""
+        return len(self._pending)
+
     def _recv_nowait(self) -> list[bytes] | None:
         assert self._sub is not None
         try:

@@ -42,6 +42,11 @@ class IngestManager:
     # round trip each, small enough that waiters and lag see progress every few ms.
     drain_batches: int = 64
     drain_blocks: int = 16_384
+    # Replays (a cold start, a resync) in flight at once: a replay's answer -- up to the
+    # publisher's whole buffer, in wire form -- is held until applied, so a cold router
+    # meeting a fleet took every instance's backlog into memory at once. The others wait
+    # their turn (their publishers keep buffering).
+    concurrent_replays: int = 8
     # Called with the instance name after its batches were applied (the router hands
     # speculative residency over to the index there).
     on_applied: Callable[[str], None] | None = field(default=None, init=False)
@@ -58,6 +63,7 @@ class IngestManager:
 
     def __post_init__(self, registry: CollectorRegistry | None) -> None:
         self.metrics = IngestMetrics(registry)
+        self._replay_slots = asyncio.Semaphore(self.concurrent_replays)
         self._factory = self.source_factory or self._zmq_source
 
     def _zmq_source(self, source: InstanceSource, start_seq: int | None) -> EventSource:
@@ -187,8 +193,15 @@ class IngestManager:
             feed.seen_stats = {}
             resync = False
             ahead: ReadAhead | None = None
+            slot: asyncio.Semaphore | None = None
             try:
+                if start_seq is not None:  # a replay: its whole answer arrives at once
+                    slot = self._replay_slots
+                    await slot.acquire()
                 await sub.start()
+                if slot is not None and not getattr(sub, "backlog", 0):
+                    slot.release()  # nothing replayed: waiting for live batches holds nothing
+                    slot = None
                 ahead = ReadAhead(sub, max_blocks=2 * self.drain_blocks)
                 while items := await ahead.next(self.drain_batches):
                     resync = await self._handle_many(feed, items)
@@ -196,6 +209,9 @@ class IngestManager:
                     failures = 0
                     if resync:
                         break
+                    if slot is not None and _replayed_all(items, ahead, sub):
+                        slot.release()
+                        slot = None
                     if ahead.empty():
                         self.trimmer.caught_up()
             except asyncio.CancelledError:
@@ -206,6 +222,8 @@ class IngestManager:
                 log.exception("%s: event source failed", name)
                 await asyncio.sleep(min(5.0, 0.1 * 2**failures))
             finally:
+                if slot is not None:
+                    slot.release()
                 if ahead is not None:
                     await ahead.close()
                 self._sync_stats(feed, sub)
@@ -450,6 +468,13 @@ class IngestManager:
                 if lost and feed.synced and self._feeds.get(name) is feed:
                     log.warning("%s: the index lost this instance's state", name)
                     self.resync(name)
+
+
+def _replayed_all(items: list[SubscriberItem], ahead: ReadAhead, sub: EventSource) -> bool:
+    """The replay's answer is applied: a live batch came, or nothing is left to read."""
+    if any(type(i) is BatchReceived and not i.replayed for i in items):
+        return True
+    return ahead.empty() and not getattr(sub, "backlog", 0)
 
 
 def _blocks(batch: KVEventBatch) -> int:

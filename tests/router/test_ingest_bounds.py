@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+from prometheus_client import CollectorRegistry
+
 from events.structs import BlockStored, KVEventBatch
 from events.subscriber import BatchReceived
 from router.index import MemoryIndex
@@ -84,7 +86,64 @@ def test_heap_trim_runs_only_after_a_large_backlog_and_not_too_often():
 
 
 async def test_the_router_subscribes_without_building_token_ids():
-    mgr = IngestManager(MemoryIndex(), heartbeat_s=None, cursor_check_s=None)
+    mgr = IngestManager(
+        MemoryIndex(), registry=CollectorRegistry(), heartbeat_s=None, cursor_check_s=None
+    )
     sub = mgr._zmq_source(InstanceSource("a", "tcp://127.0.0.1:1"), None)
     assert sub.token_ids is False
     await sub.close()
+
+
+class Replayed:
+    """A source whose start answers a replay of ``count`` batches (``backlog``), then goes
+    quiet (an idle engine); records how many of its kind were replaying at once."""
+
+    active = 0
+    most = 0
+
+    def __init__(self, source: InstanceSource, start_seq: int | None, count: int = 20) -> None:
+        self.name, self.count, self.sent = source.name, count, 0
+
+    @property
+    def backlog(self) -> int:
+        return self.count - self.sent
+
+    async def start(self) -> None:
+        Replayed.active += 1
+        Replayed.most = max(Replayed.most, Replayed.active)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.sent >= self.count:
+            await asyncio.Event().wait()  # idle: no live batch ever
+        await asyncio.sleep(0.001)
+        self.sent += 1
+        if self.sent == self.count:  # its whole replay handed over
+            Replayed.active -= 1
+        return BatchReceived(
+            self.sent - 1, _batch(4, hash(self.name) % 10**9 + self.sent * 10), True
+        )
+
+    async def close(self) -> None: ...
+
+
+async def test_cold_replays_run_a_few_at_a_time_and_idle_instances_never_hold_a_turn():
+    Replayed.active = Replayed.most = 0
+    mgr = IngestManager(
+        MemoryIndex(),
+        registry=CollectorRegistry(),
+        source_factory=Replayed,
+        heartbeat_s=None,
+        cursor_check_s=None,
+    )
+    mgr.concurrent_replays = 3
+    mgr._replay_slots = asyncio.Semaphore(3)
+    names = [f"i{k}" for k in range(10)]
+    for n in names:
+        await mgr.add_instance(n, "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", start_seq=0)
+    for n in names:  # every instance replayed in full, though each stays idle afterwards
+        await mgr.wait_for_seq(n, 19, timeout=30)
+    assert 1 <= Replayed.most <= 3
+    await mgr.close()
