@@ -314,7 +314,7 @@ def _print(report: dict[str, Any]) -> None:
             f"{100 * row['idle_probe_cpu_share']:.1f}%",
             f"{dec['correct']}/{dec['checked']}",
         )
-    Console().print(t)
+    Console(width=200).print(t)
     for row in report["fleets"]:
         if "churn" in row:
             c = row["churn"]
