@@ -5,6 +5,13 @@ Decoding is tolerant by design: a subscriber sees payloads from many vLLM genera
 fast typed decoder handles the current form and a normaliser handles everything else.
 Anything that cannot be made sense of raises ``DecodeError`` -- never another exception --
 so a consumer can count it and move on.
+
+``token_ids=False`` decodes for routing: a ``BlockStored``'s ``token_ids`` and
+``lookahead_token_ids`` are skipped over, never built (they come back ``[]`` and ``None``;
+``token_ids`` must still be present, though any msgpack value passes: routing never reads
+it). A consumer that never recomputes hashes from tokens reads nothing
+else of them, and they are most of a decoded batch (16 ints per block: ~12x the wire
+size).
 """
 
 from __future__ import annotations
@@ -16,6 +23,11 @@ import msgspec
 from events.structs import (
     ARRAY_TWINS,
     EVENT_TYPES,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    ExternalBlockHash,
     KVEvent,
     KVEventBatch,
 )
@@ -30,6 +42,53 @@ class DecodeError(ValueError):
 _encoder = msgspec.msgpack.Encoder()
 _map_decoder = msgspec.msgpack.Decoder(KVEventBatch)
 _raw_decoder = msgspec.msgpack.Decoder()
+
+
+class _StoredSansTokens(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
+    """``BlockStored`` as routing reads it: the token id fields are skipped over as raw
+    msgpack (``msgspec.Raw``: located, never turned into objects). Same names and
+    requirements as ``BlockStored``; ``_full`` builds the real struct."""
+
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: msgspec.Raw | None = None
+
+    def _full(self) -> BlockStored:
+        return BlockStored(
+            block_hashes=self.block_hashes,
+            parent_block_hash=self.parent_block_hash,
+            token_ids=[],
+            block_size=self.block_size,
+            lora_id=self.lora_id,
+            medium=self.medium,
+            lora_name=self.lora_name,
+            extra_keys=self.extra_keys,
+            group_idx=self.group_idx,
+            kv_cache_spec_kind=self.kv_cache_spec_kind,
+            kv_cache_spec_sliding_window=self.kv_cache_spec_sliding_window,
+            locality=self.locality,
+            ownership=self.ownership,
+            session_id=self.session_id,
+        )
+
+
+class _BatchSansTokens(EventBatch):
+    events: list[_StoredSansTokens | BlockRemoved | AllBlocksCleared]  # type: ignore[assignment]
+
+
+_routing_decoder = msgspec.msgpack.Decoder(_BatchSansTokens)
 
 # Positional field names per event type, in vLLM's order (the legacy array layout).
 _FIELDS: dict[str, tuple[str, ...]] = {
@@ -58,10 +117,19 @@ def encode_batch(batch: KVEventBatch, form: Literal["map", "array"] = "map") -> 
     raise ValueError(f"unknown event form {form!r}; expected 'map' or 'array'")
 
 
-def decode_batch(payload: bytes) -> KVEventBatch:
-    """Decode a batch in any known form; unknown fields and event types are ignored."""
+def decode_batch(payload: bytes, *, token_ids: bool = True) -> KVEventBatch:
+    """Decode a batch in any known form; unknown fields and event types are ignored.
+    ``token_ids=False``: the same batch with every ``BlockStored``'s ``token_ids`` ``[]``
+    and ``lookahead_token_ids`` None, never built (module docstring)."""
     try:
-        return _map_decoder.decode(payload)
+        if token_ids:
+            return _map_decoder.decode(payload)
+        light = _routing_decoder.decode(payload)
+        events: list[Any] = light.events
+        for k, ev in enumerate(events):
+            if type(ev) is _StoredSansTokens:
+                events[k] = ev._full()
+        return KVEventBatch(light.ts, events, light.data_parallel_rank)
     except (msgspec.DecodeError, msgspec.ValidationError):
         pass
     except Exception as exc:  # msgspec can raise e.g. RecursionError on hostile input
@@ -70,7 +138,12 @@ def decode_batch(payload: bytes) -> KVEventBatch:
         raw = _raw_decoder.decode(payload)
     except Exception as exc:
         raise DecodeError(f"not msgpack: {exc}") from exc
-    return _normalise_batch(raw)
+    batch = _normalise_batch(raw)
+    if not token_ids:
+        for ev in batch.events:
+            if type(ev) is BlockStored:
+                ev.token_ids, ev.lookahead_token_ids = [], None
+    return batch
 
 
 def _normalise_batch(raw: Any) -> KVEventBatch:

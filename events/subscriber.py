@@ -19,6 +19,10 @@ One subscriber follows one publisher. Iteration yields, strictly in seq order,
 
 ``stats``: ``received`` / ``replayed`` batches delivered live / from replay, ``missed`` seqs
 never recovered, ``undecodable``, ``gaps``, ``restarts``, ``reconnects`` (socket monitor).
+
+Payloads wait undecoded (wire bytes) until iteration reaches them: a replay delivers a
+publisher's whole buffer at once, and decoded it would be many times its size.
+``token_ids=False`` decodes for routing (``events.codec.decode_batch``).
 """
 
 from __future__ import annotations
@@ -50,6 +54,20 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _SUB_RCVHWM = 100_000  # as deep as the publisher's default PUB hwm
+# Sockets one context may hold. libzmq's default, 1023, is four per subscriber (SUB,
+# DEALER and the monitor's pair) short of a 256-instance fleet: the 256th subscriber
+# failed with EMFILE. Raised on the shared context before its first socket (libzmq sizes
+# its table then); file descriptors stay bounded by the process's own limit.
+_MAX_SOCKETS = 65_536
+
+
+def _shared_context() -> zmq.Context:
+    ctx = zmq.Context.instance()
+    with contextlib.suppress(zmq.ZMQError):
+        want = min(_MAX_SOCKETS, ctx.get(zmq.SOCKET_LIMIT))
+        if ctx.get(zmq.MAX_SOCKETS) < want:
+            ctx.set(zmq.MAX_SOCKETS, want)
+    return ctx
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +96,15 @@ class BatchesMissed:
 
 
 SubscriberItem = BatchReceived | SourceRestarted | BatchesMissed
+
+
+@dataclass(frozen=True, slots=True)
+class _Undecoded:
+    """A ``BatchReceived`` still in wire form, decoded when iteration reaches it."""
+
+    seq: int
+    payload: bytes
+    replayed: bool
 
 
 @dataclass
@@ -111,6 +138,7 @@ class ZmqEventSubscriber:
         replay_timeout: float = 2.0,
         ctx: zmq.asyncio.Context | None = None,
         name: str = "",
+        token_ids: bool = True,
     ) -> None:
         if start_seq is not None and start_seq < 0:
             raise ValueError("start_seq must be >= 0")
@@ -121,13 +149,14 @@ class ZmqEventSubscriber:
         self.bind = ("*" in endpoint) if bind is None else bind
         self.replay_timeout = replay_timeout
         self.name = name or endpoint
+        self.token_ids = token_ids
         self.stats = SubscriberStats()
         # Shadow the process-wide sync context so inproc:// reaches an in-process publisher.
-        self._ctx = ctx if ctx is not None else zmq.asyncio.Context(zmq.Context.instance())
+        self._ctx = ctx if ctx is not None else zmq.asyncio.Context(_shared_context())
         self._sub: zmq.asyncio.Socket | None = None
         self._dealer: zmq.asyncio.Socket | None = None
         self._monitor_task: asyncio.Task[None] | None = None
-        self._pending: deque[SubscriberItem] = deque()
+        self._pending: deque[SubscriberItem | _Undecoded] = deque()
         self._last_seq: int | None = None
         self._last_payload: bytes | None = None  # bytes of _last_seq, for anchor checks
         self._ahead: dict[int, int] = {}  # seq -> hash(payload) replayed before SUB saw it
@@ -223,6 +252,15 @@ class ZmqEventSubscriber:
         return self
 
     async def __anext__(self) -> SubscriberItem:
+        while True:
+            item = await self._next_pending()
+            if type(item) is not _Undecoded:
+                return item  # type: ignore[return-value]
+            received = self._decode(item)
+            if received is not None:
+                return received
+
+    async def _next_pending(self) -> SubscriberItem | _Undecoded:
         if not self._started:
             await self.start()
         while not self._pending:
@@ -258,6 +296,11 @@ class ZmqEventSubscriber:
         if self._closed:
             raise StopAsyncIteration
         return self._pending.popleft()
+
+    @property
+    def backlog(self) -> int:
+        """Items received (a replay's answer included) and not yet iterated."""
+        return len(self._pending)
 
     def _recv_nowait(self) -> list[bytes] | None:
         assert self._sub is not None
@@ -373,17 +416,21 @@ class ZmqEventSubscriber:
     def _accept(self, seq: int, payload: bytes, *, replayed: bool) -> None:
         self._last_seq = self.stats.last_seq = seq
         self._last_payload = payload
+        self._pending.append(_Undecoded(seq, payload, replayed))
+
+    def _decode(self, item: _Undecoded) -> BatchReceived | None:
+        seq = item.seq
         try:
-            batch = decode_batch(payload)
+            batch = decode_batch(item.payload, token_ids=self.token_ids)
         except Exception as exc:  # a DecodeError, or a decoder bug: bad input never raises
             self.stats.undecodable += 1
             logger.warning("%s: undecodable payload at seq %d skipped: %r", self.name, seq, exc)
-            return
-        if replayed:
+            return None
+        if item.replayed:
             self.stats.replayed += 1
         else:
             self.stats.received += 1
-        self._pending.append(BatchReceived(seq=seq, batch=batch, replayed=replayed))
+        return BatchReceived(seq=seq, batch=batch, replayed=item.replayed)
 
     def _missed(self, first: int, last: int) -> None:
         logger.warning("%s: seqs %d..%d lost", self.name, first, last)

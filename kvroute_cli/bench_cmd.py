@@ -90,6 +90,45 @@ def bench_index(
     )
 
 
+@app.command("fleet")
+def bench_fleet(
+    out: Path = OUT,
+    instances: list[int] = typer.Option([96, 256], help="Fleet sizes, one row each."),
+    entries: int = typer.Option(5_000_000, help="(instance, group, tier, block) entries."),
+    prompt_tokens: int = typer.Option(240_000, help="Tokens of each routed prompt."),
+    decisions: int = typer.Option(60, help="Decisions timed (and checked) per fleet."),
+    proxy_requests: int = typer.Option(40, help="Requests through the proxy and direct."),
+    idle_s: float = typer.Option(10.0, help="Seconds the idle router's CPU is measured."),
+    redis: bool = typer.Option(True, help="Also ingest into a private redis-server."),
+    redis_instances: int = typer.Option(16, help="Instances the Redis ingest follows."),
+    churn_s: float = typer.Option(0.0, help="Seconds of store/evict churn (RSS sampled)."),
+    small: bool = typer.Option(False, help="CI scale: 4 and 6 instances, 4k-token prompts."),
+    seed: int = typer.Option(0),
+) -> None:
+    """A router cold in front of a fleet: decision time, added latency, RSS, ingest rates,
+    idle probing CPU; every decision checked (full scale: the defaults)."""
+    from bench.fleet import run
+
+    if small:
+        run(out, instances=(4, 6), entries=40_000, prompt_tokens=4096, decisions=8,
+            proxy_requests=6, idle_s=1.0, redis=redis, redis_instances=2, churn_s=churn_s,
+            seed=seed, system_blocks=16, step_blocks=64, noise_blocks=256)  # fmt: skip
+        return
+    run(
+        out,
+        instances=tuple(instances),
+        entries=entries,
+        prompt_tokens=prompt_tokens,
+        decisions=decisions,
+        proxy_requests=proxy_requests,
+        idle_s=idle_s,
+        redis=redis,
+        redis_instances=redis_instances,
+        churn_s=churn_s,
+        seed=seed,
+    )
+
+
 app.command("chaos")(chaos)
 app.command("replay")(bench_replay)
 app.command("overhead")(bench_overhead)

@@ -49,6 +49,8 @@ class RouterSettings(BaseSettings):
     health_timeout_s: float = Field(2.0, gt=0)
     health_failures: int = Field(2, ge=1)
     health_successes: int = Field(1, ge=1)
+    # Served models (/v1/models) are re-read when an instance comes up and this often.
+    health_models_interval_s: float = Field(10.0, ge=0)
     engine_metrics: bool = True  # poll instances' /metrics for their waiting queue
     request_timeout_s: float = Field(600.0, gt=0)
     connect_timeout_s: float = Field(2.0, gt=0)

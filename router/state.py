@@ -54,9 +54,16 @@ class RouterState:
         self.admission = AdmissionController(
             AdmissionConfig(**s.section("admission")), self.metrics.registry
         )
-        self.models = ModelRegistry(self.client, s.health_timeout_s)
+        # Probes on the data plane's keep-alive client: kept connections (below uvicorn's
+        # 5 s idle close) and no pool scans (router.fleet.instances).
+        self.prober = UpstreamPool(
+            connect_timeout_s=s.health_timeout_s,
+            request_timeout_s=s.health_timeout_s,
+            keepalive_s=min(4.0, s.health_interval_s + 1.0),
+        )
         self.registry = InstanceRegistry(
             self.client,
+            prober=self.prober,
             **s.section("health"),
             read_metrics=s.engine_metrics,
             on_change=self._health_changed,
@@ -64,6 +71,8 @@ class RouterState:
             on_probed=self.admission.notify,  # thresholds re-checked
             on_up=self._probed_up,  # served models re-read (sources, until read once)
         )
+        # Served models read through the prober too (on_up runs only once started).
+        self.models = ModelRegistry(self.client, s.health_timeout_s, fetch=self.registry.fetch)
         # Instances named by URL alone: their event sources read from vLLM.
         self.discovery = Discovery(
             self.client,
@@ -154,6 +163,7 @@ class RouterState:
         await self.index.close()
         await self.client.aclose()
         self.forwarder.pool.close()
+        self.prober.close()
 
     async def add_instance(self, spec: InstanceSpec, *, probe: bool = True) -> Instance:
         """Register an instance (``dp=N``: one target per data-parallel rank, the first

@@ -7,9 +7,9 @@ recent decision the way ``POST /debug/route`` does: ranking and TTFT breakdown a
 per-group residency as the index holds it now. Read-only; ``dashboard: false``
 (``KVROUTE_DASHBOARD=false``) leaves every route unregistered (404).
 
-Cost on the request path: one deque append per forwarded request (the decision object is
-kept, never the prompt). A snapshot is built at most every ``min_interval_s`` however many
-pages poll.
+Cost on the request path: one deque append per forwarded request, of a copy of the
+decision that keeps its block hashes packed and never the prompt (``Recorded.of``). A
+snapshot is built at most every ``min_interval_s`` however many pages poll.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class Dashboard:
 
     def record(self, decision: RouteDecision, kind: str) -> None:
         """A forwarded request's decision (the hot path: one append)."""
-        self._ring.append(Recorded(next(self._ids), time.time(), kind, decision))
+        self._ring.append(Recorded.of(next(self._ids), time.time(), kind, decision))
 
     def find(self, decision_id: int) -> Recorded | None:
         return next((r for r in self._ring if r.id == decision_id), None)
@@ -148,7 +148,7 @@ def mount_dashboard(app: FastAPI, state: RouterState) -> Dashboard:
                 }
             }
             return JSONResponse(body, status_code=404, headers=_HEADERS)
-        explained = await explain(state.router, rec.decision)
+        explained = await explain(state.router, rec.explainable())
         return JSONResponse(
             {
                 "id": rec.id,

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import time
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,12 +34,30 @@ TIERS = ("gpu", "cpu")
 
 @dataclass(slots=True)
 class Recorded:
-    """One forwarded request's routing decision, as decided."""
+    """One forwarded request's routing decision, as decided -- never its prompt: ``of``
+    keeps a copy without the token ids (a 240k-token prompt's list is ~9 MB) and with the
+    block hashes packed as u64 (8 bytes a block instead of ~40), which ``explain`` needs
+    to show the residency the index holds now."""
 
     id: int
     ts: float  # wall clock
     kind: str  # chat | completion
     decision: RouteDecision
+
+    @classmethod
+    def of(cls, id: int, ts: float, kind: str, decision: RouteDecision) -> Recorded:
+        kept = dataclasses.replace(
+            decision,
+            hashes={k: array("Q", v) for k, v in decision.hashes.items()},  # type: ignore[misc]
+            hash_size=dict(decision.hash_size),
+            hash_input=None,
+        )
+        return cls(id, ts, kind, kept)
+
+    def explainable(self) -> RouteDecision:
+        """The decision with its hashes as lists again (what ``Router.explain`` reads)."""
+        hashes = {k: list(v) for k, v in self.decision.hashes.items()}
+        return dataclasses.replace(self.decision, hashes=hashes)
 
 
 class Samples:

@@ -10,8 +10,15 @@ word-at-a-time pass in ``events._native``: numpy's compare and search cost more 
 than in bytes). Without the native hasher hashing is the largest part of a decision
 (~0.35 ms of ~0.7 for an 8k-token prompt), and most traffic repeats prefixes.
 
-Bounded: the ``capacity`` most recent prompt starts (LRU). Off when NONE_HASH is random
-per call (xxhash without a seed): no two calls' chains may be mixed then.
+Several prompts may begin alike and then diverge (one system prompt before many
+documents, agents sharing a preamble): each start keeps its ``per_start`` most recent
+chains and a prompt reuses the one it shares most with, so alternating long documents
+behind one system prompt hash only their own new blocks, not the whole document again.
+
+Bounded: the ``capacity`` most recent prompt starts (LRU), and ``max_tokens`` tokens over
+all kept chains (a 240k-token chain holds ~2 MB: packed ids, digests and wire ints). Off
+when NONE_HASH is random per call (xxhash without a seed): no two calls' chains may be
+mixed then.
 """
 
 from __future__ import annotations
@@ -43,11 +50,21 @@ class _Chain(NamedTuple):
 
 
 class PromptHashes:
-    def __init__(self, algo: str, seed: str | None, capacity: int = 256) -> None:
+    def __init__(
+        self,
+        algo: str,
+        seed: str | None,
+        capacity: int = 256,
+        per_start: int = 8,
+        max_tokens: int = 4_000_000,
+    ) -> None:
         self.algo, self.seed, self.capacity = algo, seed, capacity
+        self.per_start, self.max_tokens = per_start, max_tokens
         self.enabled = none_hash(algo, seed) == none_hash(algo, seed)
         self._size = DIGEST_SIZES[algo]
-        self._chains: OrderedDict[tuple, _Chain] = OrderedDict()
+        # start -> its chains, most recent last
+        self._chains: OrderedDict[tuple, list[_Chain]] = OrderedDict()
+        self._tokens = 0  # packed tokens over all kept chains
         self.reused_blocks = 0  # for tests and /debug: blocks not re-hashed
         self.hashed_blocks = 0
 
@@ -72,8 +89,12 @@ class PromptHashes:
         unit = 4 * block_size  # bytes of one block's ids
         packed = packed[: n * unit]
         key = (block_size, salt, lora, packed[:unit])
-        prev = self._chains.get(key)
-        reuse = common_prefix(prev.tokens, packed, unit) if prev is not None else 0
+        chains = self._chains.get(key)
+        prev, reuse = None, 0
+        for chain in reversed(chains or ()):  # the most recent first wins ties
+            common = common_prefix(chain.tokens, packed, unit)
+            if common > reuse:
+                prev, reuse = chain, common
         if prev is not None and reuse == n:
             self._chains.move_to_end(key)
             self.reused_blocks += n
@@ -95,8 +116,32 @@ class PromptHashes:
             wires = prev.wires[:reuse] + wires
         self.reused_blocks += reuse
         self.hashed_blocks += n - reuse
-        self._chains[key] = _Chain(packed, done + tail, wires)
-        self._chains.move_to_end(key)
-        if len(self._chains) > self.capacity:
-            self._chains.popitem(last=False)
+        self._keep(key, prev, _Chain(packed, done + tail, wires))
         return wires
+
+    def _keep(self, key: tuple, prev: _Chain | None, chain: _Chain) -> None:
+        """Keep ``chain`` as its start's most recent, in place of ``prev`` when it extends
+        it (the next turn of a conversation); then drop the oldest past the bounds."""
+        chains = self._chains.setdefault(key, [])
+        self._chains.move_to_end(key)
+        if (
+            prev is not None
+            and len(prev.tokens) <= len(chain.tokens)
+            and chain.tokens.startswith(prev.tokens)
+        ):
+            chains.remove(prev)
+            self._tokens -= len(prev.tokens) // 4
+        chains.append(chain)
+        self._tokens += len(chain.tokens) // 4
+        if len(chains) > self.per_start:
+            self._tokens -= len(chains.pop(0).tokens) // 4
+        while self._chains and (
+            len(self._chains) > self.capacity or self._tokens > self.max_tokens
+        ):
+            oldest = next(iter(self._chains))
+            dropped = self._chains[oldest]
+            self._tokens -= len(dropped.pop(0).tokens) // 4
+            if not dropped:
+                del self._chains[oldest]
+            if oldest == key and not dropped:
+                break

@@ -25,25 +25,34 @@ ENGINE_SERIES = {
     "kvroute:cpu_prefix_cache_hits_total": "cpu_hits",
 }
 _MEAN = {"kv_gpu_usage", "kv_cpu_usage"}
-_LINE = re.compile(
-    rb"^(" + b"|".join(re.escape(n.encode()) for n in ENGINE_SERIES) + rb")"
-    rb"(?:\{[^}]*\})?[ \t]+([0-9.eE+-]+|NaN)",
-    re.M,
-)
+_PREFIXES = tuple(n.encode() for n in ENGINE_SERIES)
+# A wanted line: its series name, optional labels, blanks, the value.
+_SAMPLE = re.compile(rb"([^{ \t]+)(?:\{[^}]*\})?[ \t]+([0-9.eE+-]+|NaN)")
 
 
 def parse_engine_metrics(body: bytes) -> dict[str, float]:
-    """``{key: value}`` for the series of ``ENGINE_SERIES`` found in a Prometheus text body."""
+    """``{key: value}`` for the series of ``ENGINE_SERIES`` found in a Prometheus text body.
+
+    Only the lines that start with a wanted name are parsed (one ``startswith`` per line,
+    in C): one regex alternation over the whole body cost ~2 ms for vLLM's ~20 KB, on
+    every health probe (96 instances every 2 s: 10% of a core)."""
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
-    for name, value in _LINE.findall(body):
+    for line in body.split(b"\n"):
+        if not line.startswith(_PREFIXES):
+            continue
+        m = _SAMPLE.match(line)
+        if m is None:
+            continue
+        key = ENGINE_SERIES.get(m.group(1).decode())
+        if key is None:  # a longer name that starts with a wanted one
+            continue
         try:
-            v = float(value)
+            v = float(m.group(2))
         except ValueError:
             continue
         if math.isnan(v):
             continue
-        key = ENGINE_SERIES[name.decode()]
         sums[key] = sums.get(key, 0.0) + v
         counts[key] = counts.get(key, 0) + 1
     return {k: v / counts[k] if k in _MEAN else v for k, v in sums.items()}

@@ -5,6 +5,13 @@ checks mark an instance down after ``failures`` consecutive failed probes and up
 ``successes`` good ones; a down instance gets no traffic and its residency is ignored by
 the scorer. Each probe also reads the engine's waiting queue from ``/metrics`` when
 exported (``vllm:num_requests_waiting``), which the cost policy adds to its queue term.
+
+Probes share the routing event loop, so they must be cheap at fleet scale: with a
+``prober`` (the data plane's keep-alive client, ``router.http.upstream``) a probe is two GETs
+on a kept connection; through httpx's shared pool every request scanned every pooled
+connection, and 96 instances cost 11-24% of a core while idle. The served models
+(``on_up``) are re-read when an instance comes up and then every ``models_interval_s``,
+not on every probe.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import httpx
 
 from router.fleet.engine_metrics import parse_engine_metrics
 from router.fleet.specs import InstanceSpec
+from router.http.upstream import Dropped, UpstreamError, UpstreamPool
 
 __all__ = ["Instance", "InstanceRegistry"]
 
@@ -49,6 +57,7 @@ class Instance:
     served: int = 0
     errors: int = 0
     down_since: float | None = None
+    models_read_at: float | None = None  # loop time of the last good probe's on_up
     # The engine's own load, KV usage and prefix-cache counters from its /metrics
     # (``router.fleet.engine_metrics``), as of the last probe; shown by /dashboard.
     engine_stats: dict[str, float] = field(default_factory=dict)
@@ -87,6 +96,8 @@ class InstanceRegistry:
     failures: int = 2  # failed probes in a row that mark an instance down
     successes: int = 1  # good probes in a row that bring it back
     read_metrics: bool = True
+    models_interval_s: float = 10.0  # re-read served models (on_up) at most this often
+    prober: UpstreamPool | None = None  # probe with this client (default: ``client``)
     on_change: OnChange | None = None
     on_block_size: Callable[[str, int], None] | None = None
     # Called after each probe round (admission re-checks its thresholds).
@@ -144,16 +155,45 @@ class InstanceRegistry:
     async def probe(self, inst: Instance) -> bool:
         ok = False
         try:
-            r = await self.client.get(f"{inst.http_url}/health", timeout=self.timeout_s)
-            ok = r.status_code == 200
+            status, _ = await self.fetch(inst, "/health")
+            ok = status == 200
             if ok and self.read_metrics:
                 await self._read_waiting(inst)
-            if ok and self.on_up is not None:
+            if ok and self.on_up is not None and self._models_due(inst):
+                inst.models_read_at = asyncio.get_running_loop().time()
                 await self.on_up(inst)
-        except httpx.HTTPError:
+        except (httpx.HTTPError, UpstreamError, OSError):  # OSError: TimeoutError too
             ok = False
         await self.report(inst, ok)
         return ok
+
+    def _models_due(self, inst: Instance) -> bool:
+        """Served models are re-read when the instance comes (back) up -- it may have
+        restarted with others -- and every ``models_interval_s`` (adapters loaded later)."""
+        if not inst.healthy or inst.models_read_at is None:
+            return True
+        return asyncio.get_running_loop().time() - inst.models_read_at >= self.models_interval_s
+
+    async def fetch(self, inst: Instance, path: str) -> tuple[int, bytes]:
+        """``GET`` ``path`` of the instance: (status, body)."""
+        if self.prober is None:
+            r = await self.client.get(f"{inst.http_url}{path}", timeout=self.timeout_s)
+            return r.status_code, r.content
+        for attempt in range(2):
+            try:
+                resp = await self.prober.get(inst.http_url, path)
+            except Dropped:  # a kept connection the engine had closed: one fresh try
+                if attempt:
+                    raise
+                continue
+            try:
+                body = await resp.read()
+            except BaseException:
+                resp.close()
+                raise
+            resp.release()
+            return resp.status, body
+        raise AssertionError("unreachable")
 
     async def report(self, inst: Instance, ok: bool) -> None:
         """Feed one observation (a probe, or a failed forward) into the thresholds."""
@@ -176,13 +216,12 @@ class InstanceRegistry:
 
     async def _read_waiting(self, inst: Instance) -> None:
         try:
-            r = await self.client.get(f"{inst.http_url}/metrics", timeout=self.timeout_s)
-        except httpx.HTTPError:
+            status, body = await self.fetch(inst, "/metrics")
+        except (httpx.HTTPError, UpstreamError, OSError):
             return
-        if r.status_code != 200:
-            self.read_metrics = self.read_metrics and r.status_code != 404
+        if status != 200:
+            self.read_metrics = self.read_metrics and status != 404
             return
-        body = r.content
         if inst.spec.dp_rank is not None:  # a rank's own series: vLLM labels them engine="R"
             label = f'engine="{inst.spec.dp_rank}"'.encode()
             body = b"\n".join(line for line in body.split(b"\n") if label in line)

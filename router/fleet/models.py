@@ -15,14 +15,16 @@ candidate for any model: the engine answers for itself.
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from router.fleet.instances import Instance
+from router.http.upstream import UpstreamError
 
 __all__ = ["ModelRegistry", "ServedModels"]
 
@@ -61,9 +63,17 @@ class ServedModels:
 class ModelRegistry:
     """Per instance URL: what it serves (learned, or declared), for pools and ``/v1/models``."""
 
-    def __init__(self, client: httpx.AsyncClient, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        timeout_s: float = 2.0,
+        fetch: Callable[[Instance, str], Awaitable[tuple[int, bytes]]] | None = None,
+    ) -> None:
+        """``fetch(inst, path) -> (status, body)``: how ``/v1/models`` is read (the
+        health prober's client, ``InstanceRegistry.fetch``); default ``client``."""
         self._client = client
         self.timeout_s = timeout_s
+        self._fetch = fetch
         self._learned: dict[str, ServedModels] = {}
         self._declared: dict[str, frozenset[str]] = {}
 
@@ -78,9 +88,13 @@ class ModelRegistry:
     async def refresh(self, inst: Instance) -> None:
         """Read ``inst``'s ``/v1/models``; an unreadable answer keeps what was known."""
         try:
-            r = await self._client.get(f"{inst.http_url}/v1/models", timeout=self.timeout_s)
-            data = r.json().get("data") if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, AttributeError):
+            if self._fetch is not None:
+                status, body = await self._fetch(inst, "/v1/models")
+            else:
+                r = await self._client.get(f"{inst.http_url}/v1/models", timeout=self.timeout_s)
+                status, body = r.status_code, r.content
+            data = json.loads(body).get("data") if status == 200 else None
+        except (httpx.HTTPError, UpstreamError, OSError, ValueError, AttributeError):
             return
         if not isinstance(data, list):
             return

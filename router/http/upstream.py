@@ -290,6 +290,21 @@ class UpstreamPool:
         runs as soon as the request is written (the engine starts on it while the
         router finishes its bookkeeping), or before connecting when no pooled connection
         is free: either way before the first await that suspends."""
+        return await self._send(b"POST ", base, path, body, headers, on_sent)
+
+    async def get(self, base: str, path: str) -> UpstreamResponse:
+        """Send ``GET base+path`` (health probes); returns once the response head is in."""
+        return await self._send(b"GET ", base, path, b"", [], None)
+
+    async def _send(
+        self,
+        method: bytes,
+        base: str,
+        path: str,
+        body: bytes,
+        headers: list[tuple[bytes, bytes]],
+        on_sent: Callable[[], None] | None,
+    ) -> UpstreamResponse:
         key, host = self._target(base)
         conn = self._pooled(key)
         if conn is None:
@@ -299,7 +314,7 @@ class UpstreamPool:
             conn = await self._connect(key)
         resp = conn.resp = UpstreamResponse(conn)
         conn.parser = httptools.HttpResponseParser(conn)
-        parts = [b"POST ", path.encode(), b" HTTP/1.1\r\nhost: ", host, b"\r\n"]
+        parts = [method, path.encode(), b" HTTP/1.1\r\nhost: ", host, b"\r\n"]
         for k, v in headers:
             parts += (k, b": ", v, b"\r\n")
         parts += (b"content-length: ", str(len(body)).encode(), b"\r\n\r\n", body)

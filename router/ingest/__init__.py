@@ -31,9 +31,14 @@ Bad payloads are counted by the subscriber and skipped; events naming an impossi
 counted (status ``invalid``); an index error is retried with backoff, then forces a resync.
 Nothing here lets one instance's trouble stop the others.
 
+Memory follows the index, not the backlog: events are decoded without token ids (the
+router never re-hashes them), the read-ahead is bounded in block hashes, at most
+``concurrent_replays`` replays are in flight, and the heap is trimmed after a large
+backlog (``trim``).
+
 Modules: ``manager`` (``IngestManager``), ``sources`` (where events come from, per-instance
-feed state), ``ahead`` (reading a source ahead), ``metrics`` (``kvroute_ingest_*``) and
-``checks`` (impossible events and ts).
+feed state), ``ahead`` (reading a source ahead), ``metrics`` (``kvroute_ingest_*``),
+``checks`` (impossible events and ts) and ``trim`` (giving the heap back).
 """
 
 from router.ingest.manager import IngestManager

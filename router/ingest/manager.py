@@ -20,6 +20,7 @@ from router.ingest.checks import impossible, plausible_ts
 from router.ingest.listener import IngestListener
 from router.ingest.metrics import IngestMetrics
 from router.ingest.sources import EventSource, Feed, InstanceSource, SourceFactory
+from router.ingest.trim import HeapTrimmer
 
 # The name it always had (``router.ingest``): log filters and levels keep working.
 log = logging.getLogger("router.ingest")
@@ -45,7 +46,14 @@ class IngestManager:
     # Told of each batch before it is applied and of each applied run (predict-on-route
     # hands its settled predictions over to the index there; memory pressure is read).
     listener: IngestListener | None = None
+    # Replays (a cold start, a resync) in flight at once: a replay's answer -- up to the
+    # publisher's whole buffer, in wire form -- is held until applied, so a cold router
+    # meeting a fleet took every instance's backlog into memory at once. The others wait
+    # their turn (their publishers keep buffering).
+    concurrent_replays: int = 8
     metrics: IngestMetrics = field(init=False)
+    # Gives the heap back to the OS once a large backlog has been applied.
+    trimmer: HeapTrimmer = field(default_factory=HeapTrimmer, init=False)
     _feeds: dict[str, Feed] = field(default_factory=dict, init=False, repr=False)
     _beat: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
     _watch: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
@@ -53,6 +61,7 @@ class IngestManager:
 
     def __post_init__(self, registry: CollectorRegistry | None) -> None:
         self.metrics = IngestMetrics(registry)
+        self._replay_slots = asyncio.Semaphore(self.concurrent_replays)
         self._factory = self.source_factory or self._zmq_source
 
     def _zmq_source(self, source: InstanceSource, start_seq: int | None) -> EventSource:
@@ -66,6 +75,7 @@ class IngestManager:
             bind=source.bind,
             replay_timeout=self.replay_timeout,
             name=source.name,
+            token_ids=False,  # routing never recomputes hashes from an event's tokens
         )
 
     # ---- instances ---------------------------------------------------------------------
@@ -188,15 +198,27 @@ class IngestManager:
             feed.seen_stats = {}
             resync = False
             ahead: ReadAhead | None = None
+            slot: asyncio.Semaphore | None = None
             try:
+                if start_seq is not None:  # a replay: its whole answer arrives at once
+                    slot = self._replay_slots
+                    await slot.acquire()
                 await sub.start()
-                ahead = ReadAhead(sub)
+                if slot is not None and not getattr(sub, "backlog", 0):
+                    slot.release()  # nothing replayed: waiting for live batches holds nothing
+                    slot = None
+                ahead = ReadAhead(sub, max_blocks=2 * self.drain_blocks)
                 while items := await ahead.next(self.drain_batches):
                     resync = await self._handle_many(feed, items)
                     self._sync_stats(feed, sub)
                     failures = 0
                     if resync:
                         break
+                    if slot is not None and _replayed_all(items, ahead, sub):
+                        slot.release()
+                        slot = None
+                    if ahead.empty():
+                        self.trimmer.caught_up()
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -205,6 +227,8 @@ class IngestManager:
                 log.exception("%s: event source failed", name)
                 await asyncio.sleep(min(5.0, 0.1 * 2**failures))
             finally:
+                if slot is not None:
+                    slot.release()
                 if ahead is not None:
                     await ahead.close()
                 self._sync_stats(feed, sub)
@@ -272,6 +296,7 @@ class IngestManager:
                 blocks += _blocks(item.batch)
                 run.append(item)
             j = i + len(run)
+            self.trimmer.applied(blocks)
             if await self._apply_run(feed, run):
                 return True
             i = j
@@ -488,6 +513,13 @@ class IngestManager:
                 if lost and feed.synced and self._feeds.get(name) is feed:
                     log.warning("%s: the index lost this instance's state", name)
                     self.resync(name)
+
+
+def _replayed_all(items: list[SubscriberItem], ahead: ReadAhead, sub: EventSource) -> bool:
+    """The replay's answer is applied: a live batch came, or nothing is left to read."""
+    if any(type(i) is BatchReceived and not i.replayed for i in items):
+        return True
+    return ahead.empty() and not getattr(sub, "backlog", 0)
 
 
 def _blocks(batch: KVEventBatch) -> int:

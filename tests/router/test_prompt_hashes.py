@@ -64,3 +64,27 @@ def test_an_unseeded_random_none_hash_is_never_reused(monkeypatch) -> None:
     cache.wire_hashes(ids, 16, None)
     cache.wire_hashes(ids, 16, None)
     assert not cache.enabled and cache.reused_blocks == 0
+
+
+def test_documents_behind_one_system_prompt_each_reuse_their_own_chain() -> None:
+    rng = random.Random(3)
+    system = [rng.randrange(50_000) for _ in range(64)]  # 4 blocks, every prompt's start
+    docs = [system + [rng.randrange(50_000) for _ in range(320)] for _ in range(4)]  # 24 blocks
+    cache = PromptHashes("sha256_cbor", "s")
+    for doc in docs:
+        cache.wire_hashes(doc, 16, None)
+    hashed = cache.hashed_blocks
+    for k in range(8):  # alternating documents, each with a fresh tail
+        ids = docs[k % 4] + [rng.randrange(50_000) for _ in range(32)]
+        assert cache.wire_hashes(ids, 16, None) == _scratch(ids, 16, "sha256_cbor", None)
+    assert cache.hashed_blocks - hashed == 8 * 2  # only each tail's two blocks
+
+
+def test_kept_chains_stay_within_their_token_budget() -> None:
+    rng = random.Random(4)
+    cache = PromptHashes("sha256_cbor", "s", max_tokens=1000)
+    for _ in range(20):
+        ids = [1] * 16 + [rng.randrange(50_000) for _ in range(304)]  # one start, 320 tokens
+        assert cache.wire_hashes(ids, 16, None) == _scratch(ids, 16, "sha256_cbor", None)
+        assert cache._tokens <= 1000
+        assert cache._tokens == sum(len(c.tokens) // 4 for cs in cache._chains.values() for c in cs)
