@@ -50,6 +50,38 @@ def _kv_cache_configs(cfg: Any, specs: dict[str, Any]) -> list[Any]:
     return fn(cfg, [specs], [1 << 34])
 
 
+def _layer_specs(cfg: Any, layout: str, block_size: int) -> dict[str, Any]:
+    """Per-layer KV cache specs as a model's layers would report them; vLLM groups them.
+
+    ``full``: one attention layer (Llama-like). ``mamba``: three linear-attention (Mamba,
+    "align" mode) layers and one attention layer, state page = attention page
+    (Qwen3-Next-like: groups 0-2 Mamba, 3 full). ``swa``: five 64-token sliding-window
+    layers and one full (Gemma-3-like: groups 0-4 window, 5 full).
+    """
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    shape = {"num_kv_heads": 2, "head_size": 32, "dtype": torch.float32}
+    full = FullAttentionSpec(block_size=block_size, **shape)  # type: ignore[arg-type]
+    if layout == "full":
+        return {"model.layers.0.self_attn.attn": full}
+    if layout == "mamba":
+        cfg.cache_config.mamba_cache_mode = "align"
+        cfg.cache_config.mamba_block_size = block_size
+        state = MambaSpec(
+            block_size=block_size,
+            shapes=((full.page_size_bytes // 4,),),
+            dtypes=(torch.float32,),
+            mamba_cache_mode="align",
+        )
+        specs = {f"model.layers.{i}.linear_attn": state for i in range(3)}
+        return {**specs, "model.layers.3.self_attn.attn": full}
+    if layout == "swa":
+        window = SlidingWindowSpec(block_size=block_size, sliding_window=64, **shape)  # type: ignore[arg-type]
+        specs = {f"model.layers.{i}.self_attn.attn": window for i in range(5)}
+        return {**specs, "model.layers.5.self_attn.attn": full}
+    raise ValueError(f"unknown layout {layout!r}")
+
+
 def build(job: dict[str, Any]) -> tuple[Scheduler, Any, list[Any]]:
     args = EngineArgs(
         model=job["model_dir"],
@@ -63,11 +95,7 @@ def build(job: dict[str, Any]) -> tuple[Scheduler, Any, list[Any]]:
         kv_events_config={"enable_kv_cache_events": True, "publisher": "null"},
     )
     cfg = args.create_engine_config()
-    specs = {
-        "model.layers.0.self_attn.attn": FullAttentionSpec(
-            block_size=job["block_size"], num_kv_heads=2, head_size=32, dtype=torch.float32
-        )
-    }
+    specs = _layer_specs(cfg, job.get("layout", "full"), job["block_size"])
     resolve_kv_cache_layout(cfg, [["NHD", "LBNHC", "HND", "LBHNC"]], list(specs.values()))
     kv_config = kv_cache_utils.generate_scheduler_kv_cache_config(_kv_cache_configs(cfg, specs))
     cfg.cache_config.num_gpu_blocks = kv_config.num_blocks
