@@ -33,7 +33,7 @@ pytestmark = pytest.mark.vllm
 log = logging.getLogger(__name__)
 
 MAX_MODEL_LEN = 2048
-CHUNK_BUDGET = 256
+CPU_DEFAULT_BUDGET = 2048  # vLLM's CPU build: --max-num-batched-tokens for the API server
 
 
 @dataclass(frozen=True)
@@ -43,13 +43,25 @@ class Case:
     block_size: int  # what vLLM picks (asserted from its events)
     vllm_block_size: int | None  # the --block-size flag given to vLLM
     num_gpu_blocks: int
+    chunk_budget: int | None = 256  # --max-num-batched-tokens; None: vLLM's CPU default
+
+    @property
+    def budget(self) -> int:
+        return self.chunk_budget or CPU_DEFAULT_BUDGET
 
 
 CASES = {
     # --block-size 16 becomes 32 on CPU (sliding-window layers want multiples of 32).
     "gemma3": Case("gemma3", "swa:64*5,full", 32, 16, 240),
-    # vLLM enlarges the attention block to hold a Mamba state: 256 with the CPU default.
+    # vLLM enlarges the attention block to hold a Mamba state: 256 with a 256 budget.
     "qwen3next": Case("qwen3next", "mamba*3,full", 256, None, 48),
+    # A chunk budget above the block size (vLLM's CPU default, 2048): prefill chunks
+    # span several blocks, so Mamba's align split (``_mamba_block_aligned_split``) and
+    # the window's per-chunk tail decide what is cached, not the budget.
+    # vLLM sizes each window group for a whole 2048-token chunk: 240 blocks do not start.
+    "gemma3-default-budget": Case("gemma3", "swa:64*5,full", 32, 16, 400, None),
+    "qwen3next-default-budget": Case("qwen3next", "mamba*3,full", 256, 256, 48, None),
+    "llama-default-budget": Case("llama", "full", 128, None, 64, None),
 }
 
 
@@ -98,30 +110,30 @@ async def test_simulated_engine_matches_vllm_request_by_request(
     model: str, vllm_server: Any, event_recorder: Any
 ) -> None:
     case = CASES[model]
-    cfg = bind_mode_config(f"diff-{model}", replay_port=free_port())
+    cfg = bind_mode_config(f"diff-{case.model}", replay_port=free_port())
     rec: EventRecorder = event_recorder(cfg)
     server = await asyncio.to_thread(
         vllm_server,
-        model,
+        case.model,
         kv_events_config=cfg,
         block_size=case.vllm_block_size,
         num_gpu_blocks=case.num_gpu_blocks,
-        max_num_batched_tokens=CHUNK_BUDGET,
+        max_num_batched_tokens=case.chunk_budget,
         max_model_len=MAX_MODEL_LEN,
     )
     kv = KVCacheManager(
-        get_profile(model, layout=case.layout, block_size=case.block_size),
+        get_profile(case.model, layout=case.layout, block_size=case.block_size),
         case.num_gpu_blocks,
         allocate_kv=False,
         hash_algo="sha256_cbor",
         max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=CHUNK_BUDGET,
+        max_num_batched_tokens=case.budget,
     )
     captured = CapturePublisher()
     core = EngineCore(
         kv,
         timing=TimingModel(time_scale=1e9),
-        scheduler=SchedulerConfig(128, CHUNK_BUDGET, MAX_MODEL_LEN),
+        scheduler=SchedulerConfig(128, case.budget, MAX_MODEL_LEN),
         publisher=captured,
     )
     await core.start()

@@ -1,0 +1,220 @@
+"""Scheduler-level differential: our ``EngineCore`` against vLLM's own ``Scheduler``, 0.32
+and 0.33, driven in-process with canned model outputs.
+
+Why: the server differential (``test_engine_differential.py``) can only run the CPU build,
+0.32; GPU users run 0.33, whose wheel cannot serve here. Its scheduler and KV cache manager
+are plain Python, so ``sched/driver.py`` runs them under the 0.32 venv's interpreter with
+0.33's sources first on the path (``sched/install_vllm033.sh``), no model, no server: a few
+seconds per stream. The same stream goes through 0.32 the same way, which also checks the
+driver against the server differential's oracle. Per request: the same prefix hit, and the
+same multiset of stored / removed (group, hash) entries so far.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import REPO
+from workload import FORCED_TOKEN, mixed_stream, next_messages, record_reply
+
+from engine_adapter.kv_cache_manager import KVCacheManager
+from engine_adapter.profiles import get_profile
+from engine_adapter.sim.core import EngineCore, SchedulerConfig
+from engine_adapter.sim.timing import TimingModel
+from engine_adapter.vllm_cpu import server_env
+from events.publisher import NullEventPublisher
+from events.structs import BlockRemoved, BlockStored, KVEventBatch
+from events.tokenizer import ByteTokenizer, apply_chat_template
+
+pytestmark = pytest.mark.vllm
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).resolve().parent / "sched"
+MAX_MODEL_LEN = 2048
+
+
+@dataclass(frozen=True)
+class Case:
+    layout: str  # the driver's layer set (driver.py: _layer_specs)
+    profile: str  # the same layout for our engine (engine_adapter.profiles.parse_layout)
+    block_size: int
+    budget: int  # --max-num-batched-tokens
+    num_blocks: int  # small enough that the stream's cold long prompts evict
+
+
+CASES = {
+    "llama-256": Case("full", "full", 32, 256, 96),
+    "llama-2048": Case("full", "full", 32, 2048, 96),
+    # Budgets above the block size: the align split (``_mamba_block_aligned_split``) ends
+    # chunks at block boundaries, the prompt's last cacheable one and junctions; 480 is
+    # not a multiple of the block.
+    "qwen3next-2048": Case("mamba", "mamba*3,full", 256, 2048, 48),
+    "qwen3next-480": Case("mamba", "mamba*3,full", 256, 480, 48),
+    # A 2048 budget needs a bigger pool: vLLM sizes a window group for a whole chunk.
+    "gemma3-2048": Case("swa", "swa:64*5,full", 32, 2048, 400),
+}
+# 0.33 on every case; 0.32 on one, which ties the driver to the server differential's oracle.
+RUNS = [("0.33", name) for name in CASES] + [("0.32", "llama-2048")]
+
+
+@pytest.fixture(scope="module")
+def vllm033_src() -> Path:
+    """0.33's Python sources (downloaded once, ~340 MB wheel, cached)."""
+    out = subprocess.run(
+        ["bash", str(HERE / "install_vllm033.sh")],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=True,
+    )
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def _stream(n: int) -> list[tuple[list[int], int]]:
+    tok = ByteTokenizer()
+    chats: dict[int, list[dict[str, str]]] = {}
+    out = []
+    for step in mixed_stream(seed=21, n=n):
+        if step.chat_key is not None:
+            ids = tok.encode(apply_chat_template(next_messages(chats, step, None)))
+        else:
+            assert step.prompt is not None
+            ids = tok.encode(step.prompt)
+        record_reply(chats, step, chr(FORCED_TOKEN) * step.max_tokens)
+        out.append((ids, step.max_tokens))
+    return out
+
+
+def _run_vllm(python: Path, model_dir: Path, case: Case, stream: Any, src: Path | None) -> dict:
+    job = {
+        "model_dir": str(model_dir),
+        "layout": case.layout,
+        "block_size": case.block_size,
+        "budget": case.budget,
+        "num_blocks": case.num_blocks,
+        "max_model_len": MAX_MODEL_LEN,
+        "sampled_token": FORCED_TOKEN,
+        "requests": [{"prompt_token_ids": ids, "max_tokens": m} for ids, m in stream],
+    }
+    env = server_env()
+    if src is not None:
+        env.update(PYTHONPATH=str(src), VLLM_TARGET_DEVICE="cpu")
+    proc = subprocess.run(
+        [str(python), str(HERE / "driver.py")],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=REPO,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+class _Capture(NullEventPublisher):
+    def __init__(self) -> None:
+        self.batches: list[KVEventBatch] = []
+
+    def publish(self, batch: KVEventBatch) -> None:
+        self.batches.append(batch)
+
+
+def _tally(batches: list[KVEventBatch]) -> Counter[tuple[Any, ...]]:
+    out: Counter[tuple[Any, ...]] = Counter()
+    for batch in batches:
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                out[("stored_event", ev.group_idx, None)] += 1
+            if isinstance(ev, BlockStored | BlockRemoved):
+                kind = type(ev).__name__
+                out.update((kind, ev.group_idx, h) for h in ev.block_hashes)
+            else:
+                out[(type(ev).__name__, None, None)] += 1
+    return out
+
+
+async def _run_ours(case: Case, stream: Any) -> list[tuple[int, Counter[tuple[Any, ...]]]]:
+    budget = case.budget
+    kv = KVCacheManager(
+        get_profile(case.layout, layout=case.profile, block_size=case.block_size),
+        case.num_blocks,
+        allocate_kv=False,
+        hash_algo="sha256_cbor",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=budget,
+    )
+    cap = _Capture()
+    core = EngineCore(
+        kv,
+        timing=TimingModel(time_scale=1e9),
+        scheduler=SchedulerConfig(128, budget, MAX_MODEL_LEN),
+        publisher=cap,
+    )
+    await core.start()
+    rows = []
+    try:
+        for i, (ids, max_tokens) in enumerate(stream):
+            cached = -1
+            async for out in core.submit(f"r{i}", ids, max_tokens, forced_token=FORCED_TOKEN):
+                cached = out.gpu_hit_tokens + out.cpu_hit_tokens
+            rows.append((cached, _tally(cap.batches)))
+    finally:
+        await core.stop()
+    return rows
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize(("version", "name"), RUNS, ids=[f"{v}-{n}" for v, n in RUNS])
+async def test_engine_matches_vllm_scheduler_in_process(
+    version: str, name: str, vllm_python: Path, vllm_models: Path, request: Any
+) -> None:
+    case = CASES[name]
+    src = request.getfixturevalue("vllm033_src") if version == "0.33" else None
+    stream = _stream(40)
+    # The model dir only feeds vLLM's config (no weights run); the layers are the driver's.
+    got = _run_vllm(vllm_python, vllm_models / "llama", case, stream, src)
+    assert got["version"].startswith(version), got["version"]
+    assert got["block_size"] == case.block_size
+    ours = await _run_ours(case, stream)
+    theirs: Counter[tuple[Any, ...]] = Counter()
+    equal_hits = equal_events = 0
+    for i, (res, (cached, tally)) in enumerate(zip(got["results"], ours, strict=True)):
+        theirs.update(tuple(r) for r in res["events"])
+        same = +theirs == +tally
+        equal_hits += res["cached"] == cached
+        equal_events += same
+        if res["cached"] != cached or not same:
+            log.error(
+                "request %d: vLLM %s cached %d, ours %d; vLLM-only %s; ours-only %s",
+                i,
+                version,
+                res["cached"],
+                cached,
+                dict(theirs - tally),
+                dict(tally - theirs),
+            )
+    hits = sum(r["cached"] > 0 for r in got["results"])
+    log.info(
+        "vLLM %s %s: cached equal %d/%d, events equal %d/%d, %d with a hit",
+        got["version"],
+        name,
+        equal_hits,
+        len(stream),
+        equal_events,
+        len(stream),
+        hits,
+    )
+    assert equal_hits == len(stream)
+    assert equal_events == len(stream)
+    # The stream must exercise hits, misses and evictions.
+    assert 0 < hits < len(stream)
+    assert any(k == "BlockRemoved" for k, _, _ in theirs)
