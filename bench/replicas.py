@@ -24,13 +24,26 @@ from typing import Any
 import httpx
 
 from bench.common import write_report
-from stack.procs import Fleet, Proc
+from stack.procs import KVROUTE, Fleet, Proc, free_port
 
 __all__ = ["run"]
 
 log = logging.getLogger(__name__)
 
 ENGINE_ARGS = ("--profile", "gemma3", "--time-scale", "1", "--gpu-blocks", "4096")
+START_S = 300.0  # a loaded 2-core machine starts a process in tens of seconds
+
+
+def _router(fleet: Fleet, engines: list[Proc], args: list[str], env: dict[str, str]) -> Proc:
+    """A ``kvroute router`` launched, not yet waited for (``Fleet.router`` waits 60 s)."""
+    port = free_port()
+    cmd = [*KVROUTE, "--log-level", "WARNING", "router", "--port", str(port)]
+    cmd += ["--health-interval", "0.5", "--log-level", "warning", *args]
+    for e in engines:
+        cmd += ["--instance", e.instance_arg()]
+    p = Proc(f"router-{port}", cmd, port, fleet.dir / f"router-{port}.log", env)
+    fleet.procs.append(p.launch())
+    return p
 
 
 def _prefix(rng: random.Random, chars: int) -> str:
@@ -64,17 +77,36 @@ async def _burst(
     return list(await asyncio.gather(*(one(i) for i in range(size))))
 
 
+_BUCKET = re.compile(
+    r'^kvroute_replica_share_staleness_seconds_bucket\{le="([^"]+)"\} (\S+)$', re.M
+)
+_SUM = re.compile(r"^kvroute_replica_share_staleness_seconds_sum (\S+)$", re.M)
+
+
 def _staleness(routers: list[Proc]) -> dict[str, float] | None:
-    """Mean publish-to-receipt lag the replicas measured, from their histograms."""
-    total = count = 0.0
+    """Publish-to-receipt lag the replicas measured (their histograms, summed): the mean,
+    and the bucket bounds under which half and 99% of the messages arrived."""
+    buckets: dict[float, float] = {}
+    total = 0.0
     for r in routers:
         text = httpx.get(f"{r.url}/metrics", timeout=10).text
-        s = re.search(r"^kvroute_replica_share_staleness_seconds_sum ([0-9.e+-]+)$", text, re.M)
-        c = re.search(r"^kvroute_replica_share_staleness_seconds_count ([0-9.e+-]+)$", text, re.M)
-        if s and c:
-            total += float(s.group(1))
-            count += float(c.group(1))
-    return {"messages": count, "mean_ms": 1e3 * total / count} if count else None
+        for le, n in _BUCKET.findall(text):
+            buckets[float(le)] = buckets.get(float(le), 0.0) + float(n)
+        if m := _SUM.search(text):
+            total += float(m.group(1))
+    count = buckets.get(float("inf"), 0.0)
+    if not count:
+        return None
+
+    def bound(q: float) -> float:
+        return next(le for le, n in sorted(buckets.items()) if n >= q * count) * 1e3
+
+    return {
+        "messages": count,
+        "mean_ms": 1e3 * total / count,
+        "p50_le_ms": bound(0.5),
+        "p99_le_ms": bound(0.99),
+    }
 
 
 async def _run_setup(
@@ -110,33 +142,35 @@ def run(
     share: bool = True,
     seed: int = 0,
 ) -> dict[str, Any]:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     results: dict[str, Any] = {}
     for n in replicas:
         with Fleet() as fleet:
             redis = fleet.redis()
             engines = [fleet.engine(*ENGINE_ARGS, wait=False) for _ in range(3)]
-            engines = [e.wait_ready() for e in engines]
+            log.info("%d replicas: starting 3 engines and the routers", n)
+            engines = [e.wait_ready(START_S) for e in engines]
             args = ["--index", f"redis://127.0.0.1:{redis.port}/0", "--model", f"bench-{n}"]
             env = {} if share else {"KVROUTE_SHARE_REPLICAS": "false"}
             # One replica ingests; the others read the shared index (as --workers does).
-            routers = [fleet.router(engines, *args, env=env)]
+            routers = [_router(fleet, engines, args, env)]
             for _ in range(n - 1):
-                extra = {**env, "KVROUTE_INGEST": "false"}
-                routers.append(fleet.router(engines, *args, env=extra))
+                routers.append(_router(fleet, engines, args, {**env, "KVROUTE_INGEST": "false"}))
+            routers = [r.wait_ready(START_S) for r in routers]
             t0 = time.monotonic()
             res = asyncio.run(_run_setup(routers, bursts, size, gap_s, chars, seed))
             res["wall_s"] = time.monotonic() - t0
             results[str(n)] = res
     head = f"{'replicas':>8} {'requests':>8} {'reused tok':>10} {'eng/burst':>9} "
-    head += f"{'1-engine':>8} {'exact':>7} {'staleness':>10}"
+    head += f"{'1-engine':>8} {'exact':>7} {'stale mean/p50 ms':>18}"
     print(head)
     for n, r in results.items():
         st = r["staleness"]
-        stale = f"{st['mean_ms']:.2f} ms" if st else "-"
+        stale = f"{st['mean_ms']:.1f}/<={st['p50_le_ms']:g}" if st else "-"
         print(
             f"{n:>8} {r['requests']:>8} {r['reused_tokens']:>10} "
             f"{r['engines_per_burst_mean']:>9.2f} {r['bursts_on_one_engine']:>8} "
-            f"{r['exact']:>3}/{r['requests']:<3} {stale:>10}"
+            f"{r['exact']:>3}/{r['requests']:<3} {stale:>18}"
         )
     report = {
         "benchmark": "replicas",

@@ -32,6 +32,7 @@ from bench.replay.procs import (
     Proc,
     cpu_seconds,
     pid_listening,
+    router_pid,
     running_engines,
     running_router,
     spawn,
@@ -166,7 +167,7 @@ def _measure(
             base, _ = stack.enter_context(
                 running_router(kind, policy, handles, cfg, logdir, settle_s=0.5)
             )
-            targets.append(_Target(r, base, pid_listening(base)))
+            targets.append(_Target(r, base, router_pid(base)))
         asyncio.run(_rounds(targets, cfg.model, rounds, per_batch, concurrency, stream_every))
         stages = {t.name: _stages(t.url) for t in targets if t.name.startswith("ours")}
     out: dict[str, Any] = {

@@ -103,9 +103,7 @@ async def test_load_is_summed_and_a_quiet_replica_leaves_nothing(redis_server):
         await c.share.start()
         a.load = {E1: (2, 300, 1)}
         c.load = {E1: (1, 100, 0), E2: (0, 0, 4)}
-        await eventually(
-            lambda: _async(b.peer_load == {E1: (3, 400, 1), E2: (0, 0, 4)}), timeout=5
-        )
+        await eventually(lambda: _async(b.peer_load == {E1: (3, 400, 1), E2: (0, 0, 4)}), timeout=5)
         a.load = {}
         await eventually(lambda: _async(b.peer_load == {E1: (1, 100, 0), E2: (0, 0, 4)}), 5)
 
