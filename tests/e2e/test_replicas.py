@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 import redis
 from kvtest import child_pids, debug_route, engines, start_redis, start_router, wait_until
 
@@ -27,6 +28,7 @@ def _post(router, prompt: str) -> httpx.Response:
     )
 
 
+@pytest.mark.timeout(300)  # five processes started on a shared 2-core machine
 def test_a_burst_split_across_replicas_lands_together_and_a_dead_replica_leaves_nothing(
     tmp_path,
 ):
@@ -86,6 +88,7 @@ def test_a_burst_split_across_replicas_lands_together_and_a_dead_replica_leaves_
         redis_proc.wait()
 
 
+@pytest.mark.timeout(300)
 def test_workers_share_one_port_as_replicas(tmp_path):
     redis_proc, port = start_redis()
     try:
