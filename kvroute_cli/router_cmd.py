@@ -18,7 +18,9 @@ def router(
         "URL=[EVENTS_ENDPOINT[,replay=ENDPOINT][,topic=T][,model=NAME][,dp=N]] or "
         "URL=<--kv-events-config JSON>[,model=NAME][,dp=N]; repeatable.",
     ),
-    index: str = typer.Option(None, help="memory | redis://... | rediss://... | unix://..."),
+    index: str = typer.Option(
+        None, help="memory | redis://... | rediss://... | unix://... | redis+cluster://h:p,h:p"
+    ),
     policy: str = typer.Option(
         None, help="cost | round_robin | least_loaded | prefix_full_only [default cost]"
     ),

@@ -104,9 +104,11 @@ class RouterSettings(BaseSettings):
     @classmethod
     def _index(cls, v: str) -> str:
         if v not in ("memory", "memory://") and not v.startswith(
-            ("redis://", "rediss://", "unix://")
+            ("redis://", "rediss://", "unix://", "redis+cluster://")
         ):
-            raise ValueError("index must be memory, redis://, rediss:// or unix://")
+            raise ValueError(
+                "index must be memory, redis://, rediss://, unix:// or redis+cluster://"
+            )
         return v
 
     @classmethod

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import redis.asyncio as aioredis
 
-from events.hashing import native_hashing
+from events.native import native_paths
 from router.build import build_router, instrument
 from router.config import RouterSettings
 from router.decision.layout import LayoutRegistry, default_layout
@@ -47,7 +47,7 @@ class RouterState:
             ),
         )
         redis_opts: dict[str, Any] = {}
-        if s.index.startswith(("redis://", "rediss://", "unix://")):
+        if s.index.startswith(("redis://", "rediss://", "unix://", "redis+cluster://")):
             redis_opts = {"model": s.model, "hash_algo": s.hash_algo, "hash_seed": s.seed}
             if s.redis_block_ttl_s:
                 redis_opts["block_ttl_s"] = s.redis_block_ttl_s
@@ -173,12 +173,14 @@ class RouterState:
         if self.shared is not None:
             await self.shared.start()
         self._layout_task = asyncio.create_task(self._share_layouts(), name="layouts")
+        paths = native_paths()
         log.info(
-            "router: %d instances, policy %s, index %s, block hashing %s",
+            "router: %d instances, policy %s, index %s; native: %s; pure Python: %s",
             len(self.registry.all()),
             self.policy.name,
             self.settings.index,
-            "native" if native_hashing() else "pure Python (events._native not built)",
+            ", ".join(n for n, ok in paths.items() if ok) or "none",
+            ", ".join(n for n, ok in paths.items() if not ok) or "none",
         )
 
     async def stop(self) -> None:

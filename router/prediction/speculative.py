@@ -33,13 +33,13 @@ Why this shape: docs/design/cost-policy.md.
 from __future__ import annotations
 
 import functools
-import os
 import time
 from array import array
 from collections import _count_elements, deque  # type: ignore[attr-defined]
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from events.native import load
 from router.index.base import Residency, Tier, slot_of
 
 __all__ = ["Held", "PyRefCounts", "SpeculativeResidency", "refcounts_type"]
@@ -116,15 +116,9 @@ class PyRefCounts:
 
 def refcounts_type() -> type:
     """The table class the store uses: the C one unless it was not built or
-    ``KVROUTE_NO_NATIVE=1`` is set."""
-    if not os.environ.get("KVROUTE_NO_NATIVE"):
-        try:
-            from router._refcounts import RefCounts
-
-            return RefCounts
-        except ImportError:  # not built (no compiler): the reference, same answers
-            pass
-    return PyRefCounts
+    ``KVROUTE_NO_NATIVE=1`` is set (``events.native.load``)."""
+    mod = load("router._refcounts")
+    return mod.RefCounts if mod is not None else PyRefCounts
 
 
 class Held:
