@@ -178,8 +178,11 @@ class SharedPredictions:
         last_sent = 0.0
         while True:
             if not self._ops:
+                # Idle (nothing in flight): only a request changes the load, and its
+                # record wakes this task; so poll the load only while some is in flight.
+                wait = self.load_interval_s if last_load else self.heartbeat_s
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.load_interval_s)
+                    await asyncio.wait_for(self._wake.wait(), wait)
             self._wake.clear()
             load = self._load()
             now = self._clock()
