@@ -29,6 +29,24 @@ def bench_hash(
     run(out=out, num_tokens=tokens, block_size=block_size, repeats=repeats)
 
 
+@app.command("replicas")
+def bench_replicas(
+    out: Path = OUT,
+    replicas: str = typer.Option("1,2,3", help="Router replica counts to compare."),
+    bursts: int = typer.Option(10, help="Bursts per setup."),
+    size: int = typer.Option(6, help="Requests per burst."),
+    gap: float = typer.Option(0.05, help="Seconds between a burst's requests."),
+    chars: int = typer.Option(2500, help="Characters of each burst's new shared prefix."),
+    share: bool = typer.Option(True, "--share/--no-share", help="Replicas share (item 2)."),
+) -> None:
+    """Bursts through one router vs split across replicas on one Redis index: reused
+    tokens, engines per burst, exact predictions, share staleness."""
+    from bench.replicas import run
+
+    counts = [int(x) for x in replicas.split(",") if x.strip()]
+    run(out, replicas=counts, bursts=bursts, size=size, gap_s=gap, chars=chars, share=share)
+
+
 @app.command("offload")
 def bench_offload(
     out: Path = OUT,

@@ -63,6 +63,17 @@ def router(
     session_max_extra_ttft: float = typer.Option(
         None, help="Session affinity: extra predicted TTFT (s) a session may cost [0.05]."
     ),
+    share_replicas: bool = typer.Option(
+        None,
+        "--share-replicas/--no-share-replicas",
+        help="On a Redis index: share predictions and in-flight load with the other replicas [on].",
+    ),
+    ingest: bool = typer.Option(
+        None, "--ingest/--no-ingest", help="Ingest events (off: read the shared index) [on]."
+    ),
+    workers: int = typer.Option(
+        None, min=1, help="Router processes on one port (SO_REUSEPORT); >1 needs a Redis index."
+    ),
     config: Path = typer.Option(None, help="YAML file with the same settings.", exists=True),
     log_level: str = typer.Option(None, help="uvicorn log level."),
 ) -> None:
@@ -82,6 +93,9 @@ def router(
         from router.decision.layout import default_layout
 
         default_layout(settings.default_layout, settings.block_size)
+        from router.http.workers import check_workers
+
+        check_workers(settings)
     except (ValidationError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from exc
     serve(settings)

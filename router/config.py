@@ -59,6 +59,14 @@ class RouterSettings(BaseSettings):
     admin_token: str | None = None  # KVROUTE_ADMIN_TOKEN; unset disables the admin API
     dashboard: bool = True  # GET /dashboard (read-only live view); KVROUTE_DASHBOARD=false: 404
     redis_block_ttl_s: int | None = None
+    # Replicas on one Redis index share predict-on-route records and in-flight load
+    # (router.prediction.shared); off: each replica sees only its own.
+    share_replicas: bool = True
+    # Ingest the instances' events (off: a replica that reads the shared index only, as
+    # the workers after the first of ``--workers N`` do).
+    ingest: bool = True
+    # Router processes on one port (SO_REUSEPORT); more than one needs a Redis index.
+    workers: int = Field(1, ge=1)
     # Admission control (router.admission); no threshold set: off.
     admission_max_waiting: int | None = Field(None, ge=0)
     admission_max_kv_usage: float | None = Field(None, gt=0, le=1)

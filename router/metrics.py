@@ -107,6 +107,15 @@ class RouterMetrics:
             "kvroute_router_index_errors", "Lookups that failed (routing fell back to load).",
             registry=r,
         )  # fmt: skip
+        self.replica_share_staleness = Histogram(
+            "kvroute_replica_share_staleness_seconds",
+            "From another replica's publish to its receipt here (its records and load).",
+            registry=r, buckets=_STAGE_BUCKETS,
+        )  # fmt: skip
+        self.replica_share_dropped = Counter(
+            "kvroute_replica_share_dropped", "Replica-share messages that did not decode.",
+            registry=r,
+        )  # fmt: skip
         self.healthy = Gauge(
             "kvroute_router_instance_healthy", "1 if the instance is up.", ["instance"],
             registry=r,

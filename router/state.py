@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 import httpx
+import redis.asyncio as aioredis
 
 from events.native import native_paths
 from router.build import build_router, instrument
@@ -25,6 +26,7 @@ from router.http.upstream import UpstreamPool
 from router.index import open_index
 from router.ingest import IngestManager
 from router.metrics import RouterMetrics
+from router.prediction.shared import SharedPredictions
 
 __all__ = ["RouterState"]
 
@@ -108,6 +110,41 @@ class RouterState:
             max_retries=s.max_retries,
         )
         self._layout_task: asyncio.Task[None] | None = None
+        self.shared = self._shared_predictions()
+        self.prediction.shared = self.shared
+
+    def _shared_predictions(self) -> SharedPredictions | None:
+        """Replicas on one Redis index share predictions and load through it
+        (``router.prediction.shared``); a memory index is one replica: None."""
+        inner = getattr(self.index, "inner", self.index)
+        client = getattr(inner, "redis", None)
+        if not self.settings.share_replicas or not isinstance(client, aioredis.Redis):
+            return None
+        registry = self.registry
+
+        def load() -> dict[str, tuple[int, int, int]]:
+            return {
+                i.url: (i.inflight_requests, i.inflight_prefill_tokens, i.running_requests)
+                for i in registry.all()
+                if i.inflight_requests or i.running_requests or i.inflight_prefill_tokens
+            }
+
+        def set_peer_load(sums: dict[str, tuple[int, int, int]]) -> None:
+            for i in registry.all():
+                req, tok, run = sums.get(i.url, (0, 0, 0))
+                i.peer_inflight_requests = req
+                i.peer_inflight_prefill_tokens = tok
+                i.peer_running_requests = run
+
+        return SharedPredictions(
+            client,
+            f"{inner.prefix}:replicas",
+            ttl_s=self.settings.speculative_ttl_s,
+            load=load,
+            set_peer_load=set_peer_load,
+            on_applied=self.prediction.store.flush,
+            metrics=self.metrics,
+        )
 
     async def _probed_up(self, inst: Instance) -> None:
         """After each good probe: an instance named by URL alone whose sources could not
@@ -142,6 +179,8 @@ class RouterState:
                 log.error("cannot follow %s: %s", text, exc)
                 raise
         await self.registry.start()
+        if self.shared is not None:
+            await self.shared.start()
         self._layout_task = asyncio.create_task(self._share_layouts(), name="layouts")
         paths = native_paths()
         log.info(
@@ -158,6 +197,8 @@ class RouterState:
             self._layout_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._layout_task
+        if self.shared is not None:
+            await self.shared.close()
         await self.registry.close()
         await self.ingest.close()
         await self.index.close()
@@ -181,7 +222,7 @@ class RouterState:
     async def _add_target(self, spec: InstanceSpec, *, probe: bool) -> Instance:
         inst = self.registry.add(spec)
         self.models.declare(spec.url, spec.models)
-        if spec.events:
+        if spec.events and self.settings.ingest:
             # With a replay endpoint, start from the publisher's buffer (seq 0): a router
             # started after its engines then knows what they already hold.
             await self.ingest.add_instance(
@@ -210,7 +251,8 @@ class RouterState:
         if inst is None:
             return
         if inst.spec.events:
-            await self.ingest.remove_instance(inst.url)
+            if inst.url in self.ingest.instances():  # a reader leaves the index alone
+                await self.ingest.remove_instance(inst.url)
         else:
             with contextlib.suppress(Exception):
                 await self.index.clear(inst.url)
@@ -236,6 +278,8 @@ class RouterState:
             "engine_waiting": inst.engine_waiting,
             "served": inst.served,
             "models": self.models.describe(inst.url),
-            "last_seq": self.ingest.last_seq(inst.url) if inst.spec.events else None,
+            "last_seq": (
+                self.ingest.last_seq(inst.url) if inst.url in self.ingest.instances() else None
+            ),
             "view": self.ingest.view(inst.url),
         }

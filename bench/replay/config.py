@@ -103,12 +103,16 @@ class ReplayConfig:
 
 
 def parse_router(spec: str) -> tuple[str, str]:
-    """``ours:POLICY`` -> ("ours", POLICY); a peer name -> (name, its policy);
-    ``model:PEER`` -> ("model", "model:PEER") (``bench.replay.peer_models``)."""
+    """``ours:POLICY`` -> ("ours", POLICY); ``ours:POLICY*N`` -> ("ours", "POLICY*N"): N
+    workers on one port (``--workers N``, on a private Redis index); a peer name -> (name,
+    its policy); ``model:PEER`` -> ("model", "model:PEER") (``bench.replay.peer_models``)."""
     spec = spec.strip()
     if spec.startswith("ours:"):
         policy = spec.split(":", 1)[1]
-        if policy not in OURS_POLICIES:
+        base, _, workers = policy.partition("*")
+        if workers and (not workers.isdigit() or int(workers) < 1):
+            raise ValueError(f"workers in {spec!r} must be a positive integer")
+        if base not in OURS_POLICIES:
             raise ValueError(f"unknown policy in {spec!r}; expected one of {OURS_POLICIES}")
         return "ours", policy
     if spec.startswith("model:"):  # a peer's in-process model (sim mode only)

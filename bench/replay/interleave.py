@@ -32,6 +32,7 @@ from bench.replay.procs import (
     Proc,
     cpu_seconds,
     pid_listening,
+    router_pid,
     running_engines,
     running_router,
     spawn,
@@ -59,6 +60,7 @@ class _Target:
     pid: int | None
     lat: dict[int, list[float]] = field(default_factory=dict)
     cpu_s: dict[int, float] = field(default_factory=dict)
+    wall_s: dict[int, float] = field(default_factory=dict)  # its batches, end to end
     count: dict[int, int] = field(default_factory=dict)
 
 
@@ -83,7 +85,9 @@ async def _batch(
             lat.append(time.perf_counter() - t0)
 
     cpu0 = cpu_seconds(t.pid) if t.pid else 0.0
+    w0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(conc)))
+    t.wall_s[conc] = t.wall_s.get(conc, 0.0) + time.perf_counter() - w0
     if t.pid:
         t.cpu_s[conc] = t.cpu_s.get(conc, 0.0) + cpu_seconds(t.pid) - cpu0
     t.count[conc] = t.count.get(conc, 0) + n
@@ -97,7 +101,7 @@ async def _rounds(
     async with aiohttp.ClientSession(connector=conn) as session:
         for t in targets:  # warm connections and caches, untimed
             await _batch(session, t, model, 8, 4, 50_000_000, stream_every)
-            t.lat.clear(), t.cpu_s.clear(), t.count.clear()
+            t.lat.clear(), t.cpu_s.clear(), t.count.clear(), t.wall_s.clear()
         offset = 0
         for r in range(rounds):
             order = targets[r % len(targets) :] + targets[: r % len(targets)]
@@ -143,6 +147,8 @@ def _stats(t: _Target, direct: _Target, conc: int) -> dict[str, Any]:
     xs, ds = t.lat.get(conc, []), direct.lat.get(conc, [])
     p50, p99 = percentile(xs, 50) * 1e3, percentile(xs, 99) * 1e3
     row: dict[str, Any] = {"n": len(xs), "p50_ms": p50, "p99_ms": p99}
+    if t.wall_s.get(conc):  # closed loop at ``conc`` clients: at 16, about saturation
+        row["requests_per_s"] = t.count.get(conc, len(xs)) / t.wall_s[conc]
     if t is not direct:
         row["added_p50_ms"] = p50 - percentile(ds, 50) * 1e3
         row["added_p99_ms"] = p99 - percentile(ds, 99) * 1e3
@@ -166,7 +172,7 @@ def _measure(
             base, _ = stack.enter_context(
                 running_router(kind, policy, handles, cfg, logdir, settle_s=0.5)
             )
-            targets.append(_Target(r, base, pid_listening(base)))
+            targets.append(_Target(r, base, router_pid(base)))
         asyncio.run(_rounds(targets, cfg.model, rounds, per_batch, concurrency, stream_every))
         stages = {t.name: _stages(t.url) for t in targets if t.name.startswith("ours")}
     out: dict[str, Any] = {

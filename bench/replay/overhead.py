@@ -165,10 +165,12 @@ def overhead_markdown(report: dict[str, Any]) -> str:
         "## Added latency per request (router minus direct, same interleaved run, ms)",
         "",
         "Targets interleaved round by round in rotating order. CPU: the router process's",
-        "utime + stime per request. vs sglang: our added p50 over sglang-router's.",
+        "utime + stime per request (all its workers for ours:cost*N). req/s: requests over",
+        "the batches' wall time (closed loop: at 16 clients about saturation).",
+        "vs sglang: our added p50 over sglang-router's.",
         "",
-        "| upstream | clients | router | p50 | p99 | added p50 | added p99 | CPU ms/req |",
-        "|---|---|---|---|---|---|---|---|",
+        "| upstream | clients | router | p50 | p99 | added p50 | added p99 | CPU ms/req | req/s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for upstream, cells in report["proxy"].items():
         for conc, row in cells.items():
@@ -178,7 +180,7 @@ def overhead_markdown(report: dict[str, Any]) -> str:
                 lines.append(
                     f"| {upstream} | {conc} | {name} | {_f(s['p50_ms'])} | {_f(s['p99_ms'])} "
                     f"| {_f(s.get('added_p50_ms'))} | {_f(s.get('added_p99_ms'))} "
-                    f"| {_f(s.get('cpu_ms_per_request'))} |"
+                    f"| {_f(s.get('cpu_ms_per_request'))} | {_f(s.get('requests_per_s'))} |"
                 )
     stage_rows = [
         (upstream, name, st)

@@ -19,7 +19,7 @@ from pathlib import Path
 import zmq
 
 from bench.replay.config import ReplayConfig
-from stack.procs import KVROUTE, EventForwarder, Proc, free_port, wait_http
+from stack.procs import KVROUTE, EventForwarder, Proc, free_port, private_redis, wait_http
 
 __all__ = [
     "EngineHandle",
@@ -116,13 +116,22 @@ def running_engines(
 
 
 def router_command(
-    kind: str, policy: str, port: int, engines: Sequence[EngineHandle], cfg: ReplayConfig
+    kind: str,
+    policy: str,
+    port: int,
+    engines: Sequence[EngineHandle],
+    cfg: ReplayConfig,
+    index: str = "memory",
 ) -> list[str]:
-    """The command line for ``ours`` / ``vllm-router`` / ``sglang-router``."""
+    """The command line for ``ours`` / ``vllm-router`` / ``sglang-router`` (``ours``'s
+    ``POLICY*N``: N workers, on ``index``)."""
     urls = [e.url for e in engines]
     if kind == "ours":
+        policy, _, workers = policy.partition("*")
         cmd = [*KVROUTE, "--log-level", "WARNING", "router", "--host", "127.0.0.1"]
-        cmd += ["--port", str(port), "--policy", policy, "--index", "memory"]
+        cmd += ["--port", str(port), "--policy", policy, "--index", index]
+        if workers:
+            cmd += ["--workers", workers]
         cmd += ["--block-size", str(cfg.engine.block_size), "--hash-algo", cfg.engine.hash_algo]
         cmd += ["--model", cfg.model, "--log-level", "warning"]
         if cfg.temperature:
@@ -163,15 +172,19 @@ def running_router(
     lets event subscribers connect before traffic (ZMQ drops what a late SUB misses);
     ``extra`` flags go on the router's command line."""
     port = free_port()
-    cmd = [*router_command(kind, policy, port, engines, cfg), *extra]
-    name = kind if kind != "ours" else f"ours-{policy}"
-    proc = spawn(name, cmd, logdir)
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", proc, timeout)
-        time.sleep(settle_s)
-        yield f"http://127.0.0.1:{port}", cmd
-    finally:
-        proc.stop()
+    with contextlib.ExitStack() as stack:
+        index = "memory"
+        if kind == "ours" and "*" in policy:  # workers share through a Redis index
+            index = stack.enter_context(private_redis()).url
+        cmd = [*router_command(kind, policy, port, engines, cfg, index), *extra]
+        name = kind if kind != "ours" else f"ours-{policy.replace('*', 'x')}"
+        proc = spawn(name, cmd, logdir)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}/health", proc, timeout)
+            time.sleep(settle_s)
+            yield f"http://127.0.0.1:{port}", cmd
+        finally:
+            proc.stop()
 
 
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -210,3 +223,16 @@ def pid_listening(base: str) -> int | None:
                 if link.startswith("socket:[") and link[8:-1] in inodes:
                     return int(proc.name)
     return None
+
+
+def router_pid(base: str) -> int | None:
+    """The router process serving ``base``: the one listening there, or, for ``--workers``
+    (several listen), their supervisor, whose CPU time counts them all."""
+    pid = pid_listening(base)
+    if pid is None:
+        return None
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        if b"--workers" in Path(f"/proc/{ppid}/cmdline").read_bytes():
+            return ppid
+    return pid

@@ -204,7 +204,8 @@ class Router:
     def _candidates(
         healthy: Sequence[Instance], urls: Sequence[str], scores: dict[str, Score]
     ) -> dict[str, Candidate]:
-        """Each instance as the policy sees it: its hit and the router's load on it."""
+        """Each instance as the policy sees it: its hit and the router's load on it (every
+        replica's, where replicas share it: ``router.prediction.shared``)."""
         out: dict[str, Candidate] = {}
         get = scores.get
         for inst, url in zip(healthy, urls, strict=True):
@@ -216,9 +217,9 @@ class Router:
                     url,
                     gpu,
                     cpu,
-                    inst.inflight_requests,
-                    inst.inflight_prefill_tokens,
-                    inst.running_requests,
+                    inst.inflight_requests + inst.peer_inflight_requests,
+                    inst.inflight_prefill_tokens + inst.peer_inflight_prefill_tokens,
+                    inst.running_requests + inst.peer_running_requests,
                     inst.engine_waiting,
                     full,
                 ),

@@ -52,6 +52,11 @@ class Instance:
     inflight_requests: int = 0  # forwarded, first byte not yet received
     inflight_prefill_tokens: int = 0
     running_requests: int = 0  # streams still open
+    # The same three counts on the other router replicas sharing this one's Redis index
+    # (``router.prediction.shared``; 0 with one replica): the policy adds them.
+    peer_inflight_requests: int = 0
+    peer_inflight_prefill_tokens: int = 0
+    peer_running_requests: int = 0
     engine_waiting: int = 0
     engine_block_size: int | None = None  # vllm:cache_config_info, the size vLLM chose
     served: int = 0

@@ -6,6 +6,7 @@ import contextlib
 import gc
 import logging
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator
 
@@ -49,7 +50,14 @@ def build_app(settings: RouterSettings) -> tuple[ProxyEndpoints, RouterState]:
     return app, state
 
 
-def serve(settings: RouterSettings) -> None:
+def serve(settings: RouterSettings, sock: socket.socket | None = None) -> None:
+    """Serve until stopped; ``settings.workers > 1``: that many processes on one port
+    (``router.http.workers``). ``sock``: a bound socket to listen on (a worker's)."""
+    if settings.workers > 1:
+        from router.http.workers import serve_workers
+
+        serve_workers(settings)
+        return
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per forward is noise
     app, _ = build_app(settings)
     config = uvicorn.Config(
@@ -64,4 +72,4 @@ def serve(settings: RouterSettings) -> None:
     )
     for sig in (signal.SIGTERM, signal.SIGINT):  # exit 0 after uvicorn's graceful stop
         signal.signal(sig, lambda *_: sys.exit(0))
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)

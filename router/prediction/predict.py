@@ -14,6 +14,10 @@ ingest's loop. The owner keeps the only per-request state (its ``_Entry``), so a
 
 It is also ingest's listener (``router.ingest.IngestListener``): ``batch_learned`` feeds
 the eviction tracker the cost policy reads (``router.prediction.pressure``).
+
+With replicas on a Redis index, ``shared`` (``router.prediction.shared``) carries what this
+owner records and settles to the other replicas and gives back theirs: ``residency`` ORs
+them in, so a burst split across replicas sees where its first requests went.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from router.decision.layout import InstanceLayout, LayoutRegistry
 from router.decision.prompt_hashes import PromptHashes
 from router.index.base import Residency
 from router.prediction.pressure import EvictionTracker
+from router.prediction.shared import SharedPredictions, merge_residency
 from router.prediction.speculative import Held, SpeculativeResidency
 
 if TYPE_CHECKING:
@@ -76,6 +81,8 @@ class PredictOnRoute:
         # expired, when the next one is recorded there.
         self._inflight: dict[str, dict[int, _Entry]] = {}
         self._version = layouts.version
+        # The other replicas' records and this one's, shared (None: one replica).
+        self.shared: SharedPredictions | None = None
 
     @property
     def ttl_s(self) -> float:
@@ -87,7 +94,11 @@ class PredictOnRoute:
         """Per instance, the GPU-slot bitmasks predicted over ``hashes``' positions."""
         if self.layouts.version != self._version:
             self.relayout()
-        return self.store.residency(hashes, instances)
+        if self.shared is None:
+            return self.store.residency(hashes, instances)
+        instances = list(instances)
+        own = self.store.residency(hashes, instances)
+        return merge_residency(own, self.shared.residency(hashes, instances))
 
     def record(self, decision: RouteDecision, instance: str) -> None:
         """``decision`` was sent to ``instance``: credit what vLLM will retain there."""
@@ -121,6 +132,8 @@ class PredictOnRoute:
         entry = inflight.pop(id(decision), None) if inflight else None
         if entry is not None:
             self.store.settle(instance, entry.handle)
+            if self.shared is not None:
+                self.shared.settle(instance, id(decision))
 
     def relayout(self) -> None:
         """Layouts changed (an instance's first events taught its groups): what was
@@ -186,11 +199,15 @@ class PredictOnRoute:
                 break
             del inflight[oldest]
         inflight[id(decision)] = _Entry(decision, layout, hashes, handle, now + self.store.ttl_s)
+        if self.shared is not None:  # recorded again (relayout): replaces it there too
+            self.shared.record(instance, id(decision), per_group, whole)
 
     def forget(self, instance: str) -> None:
         """The instance is gone or down: drop what was predicted on it."""
         self._inflight.pop(instance, None)
         self.store.forget(instance)
+        if self.shared is not None:
+            self.shared.forget(instance)
 
     def inflight(self, instance: str) -> int:
         """Requests in flight on ``instance`` with a prediction recorded."""
@@ -206,3 +223,5 @@ class PredictOnRoute:
     def batch_applied(self, instance: str) -> None:
         """``instance``'s batches were applied: settled predictions give way to the index."""
         self.store.flush(instance)
+        if self.shared is not None:  # the shared index has it: the others' give way too
+            self.shared.applied(instance)
