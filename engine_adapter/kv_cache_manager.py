@@ -254,14 +254,25 @@ class KVCacheManager:
                 self.offload.load(request, fills, num_gpu_hit_tokens + num_cpu_hit_tokens)
             request.num_gpu_hit_tokens = num_gpu_hit_tokens
             request.num_cpu_hit_tokens = num_cpu_hit_tokens
+        boundaries = reachable_boundaries(request.num_prompt_tokens, request.shared_prefix_boundary)
+        if first and num_cpu_hit_tokens:
+            # vLLM caches the loaded blocks when the load completes, before the request
+            # computes anything: their BlockStored is an event of its own.
+            self._cache(request, total - total % self.alignment, boundaries)
         for m in self.managers:
             m.allocate_new(rid, end)
         cacheable = min(end, request.num_tokens)
-        cacheable -= cacheable % self.alignment
-        boundaries = reachable_boundaries(request.num_prompt_tokens, request.shared_prefix_boundary)
+        self._cache(request, cacheable - cacheable % self.alignment, boundaries)
+        request.num_computed_tokens = end
+        self._scheduled[rid] = request
+        return True
+
+    def _cache(self, request: Request, upto: int, boundaries: tuple[int, ...]) -> None:
+        """Cache every group's blocks full with ``upto`` tokens (``events.retention``)."""
+        rid = request.request_id
         for g, m in enumerate(self.managers):
             before = m.num_cached.get(rid, 0)
-            m.cache(request, cacheable, boundaries)
+            m.cache(request, upto, boundaries)
             if self.offload is not None and isinstance(m, MambaManager):
                 # State blocks cached now are offered to the CPU tier at the step's end
                 # (vLLM's boundary_state_offloads hand-off).
@@ -272,9 +283,6 @@ class KVCacheManager:
                     for i in range(before, m.num_cached.get(rid, 0))
                     if i < len(table) and table[i] is not None and table[i].key is not None
                 )
-        request.num_computed_tokens = end
-        self._scheduled[rid] = request
-        return True
 
     def _fits(self, need: list[int]) -> bool:
         per_pool: dict[int, int] = {}
