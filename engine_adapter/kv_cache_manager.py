@@ -111,6 +111,7 @@ class KVCacheManager:
             for pool in self._unique_pools:
                 pool.reuse_hooks.append(self.offload.on_blocks_reused)
         self._scheduled: dict[str, Request] = {}
+        self._new_states: dict[str, list[list[int]]] = {}
 
     def _new_pool(self, num_blocks: int) -> BlockPool:
         return BlockPool(num_blocks, enable_events=self._enable_events)
@@ -171,6 +172,11 @@ class KVCacheManager:
         """``(gpu_hit_tokens, cpu_hit_tokens)``; call right before the first allocation."""
         gpu = self.get_computed_blocks(request)
         return gpu, self.get_num_cpu_hit_tokens(request, gpu)
+
+    def cpu_hit_must_wait(self, request: Request, gpu_hit: int, cpu_hit: int) -> bool:
+        """The CPU hit reads a chunk still being written: vLLM's connector defers the
+        request to a later step (the scheduler admits the requests behind it meanwhile)."""
+        return self.offload is not None and self.offload.must_wait(request, gpu_hit, cpu_hit)
 
     # ---- allocation -----------------------------------------------------------------
 
@@ -245,19 +251,38 @@ class KVCacheManager:
             fills = [m.allocate_external(rid, total, num_cpu_hit_tokens) for m in self.managers]
             if num_cpu_hit_tokens:
                 assert self.offload is not None
-                self.offload.load(request, fills)
+                self.offload.load(request, fills, num_gpu_hit_tokens + num_cpu_hit_tokens)
             request.num_gpu_hit_tokens = num_gpu_hit_tokens
             request.num_cpu_hit_tokens = num_cpu_hit_tokens
+        boundaries = reachable_boundaries(request.num_prompt_tokens, request.shared_prefix_boundary)
+        if first and num_cpu_hit_tokens:
+            # vLLM caches the loaded blocks when the load completes, before the request
+            # computes anything: their BlockStored is an event of its own.
+            self._cache(request, total - total % self.alignment, boundaries)
         for m in self.managers:
             m.allocate_new(rid, end)
         cacheable = min(end, request.num_tokens)
-        cacheable -= cacheable % self.alignment
-        boundaries = reachable_boundaries(request.num_prompt_tokens, request.shared_prefix_boundary)
-        for m in self.managers:
-            m.cache(request, cacheable, boundaries)
+        self._cache(request, cacheable - cacheable % self.alignment, boundaries)
         request.num_computed_tokens = end
         self._scheduled[rid] = request
         return True
+
+    def _cache(self, request: Request, upto: int, boundaries: tuple[int, ...]) -> None:
+        """Cache every group's blocks full with ``upto`` tokens (``events.retention``)."""
+        rid = request.request_id
+        for g, m in enumerate(self.managers):
+            before = m.num_cached.get(rid, 0)
+            m.cache(request, upto, boundaries)
+            if self.offload is not None and isinstance(m, MambaManager):
+                # State blocks cached now are offered to the CPU tier at the step's end
+                # (vLLM's boundary_state_offloads hand-off).
+                table = m.req_blocks[rid]
+                states = self._new_states.setdefault(rid, [[] for _ in self.managers])
+                states[g].extend(
+                    i
+                    for i in range(before, m.num_cached.get(rid, 0))
+                    if i < len(table) and table[i] is not None and table[i].key is not None
+                )
 
     def _fits(self, need: list[int]) -> bool:
         per_pool: dict[int, int] = {}
@@ -277,16 +302,35 @@ class KVCacheManager:
             if isinstance(m, MambaManager):
                 m.cached_this_step.clear()
 
-    def free(self, request: Request) -> None:
-        """Release a finished or preempted request (offering its last chunks to the CPU
-        tier first). The caller resets ``num_computed_tokens`` to re-admit it."""
+    def free(self, request: Request, *, finished: bool = True) -> None:
+        """Release a finished (or aborted) or a preempted request. A finished request's
+        last chunks go to the CPU tier at the next step's end (vLLM's connector sees it in
+        ``finished_req_ids``); a preempted one keeps its CPU-tier progress. The caller
+        resets ``num_computed_tokens`` to re-admit it."""
         rid = request.request_id
         if self.offload is not None and rid in self.managers[0].req_blocks:
-            self.offload.store(request, [m.req_blocks[rid] for m in self.managers])
-            self.offload.request_finished(rid)
+            if rid in self._scheduled:  # scheduled this step: its chunks are offered first
+                self._store_scheduled([rid])
+            if finished:
+                self.offload.request_finished(request, [m.req_blocks[rid] for m in self.managers])
         for m in self.managers:
             m.free(rid)
         self._scheduled.pop(rid, None)
+        self._new_states.pop(rid, None)
+
+    def _store_scheduled(self, rids: Sequence[str]) -> None:
+        assert self.offload is not None
+        self.offload.end_step(
+            [
+                (
+                    self._scheduled.pop(rid),
+                    [m.req_blocks[rid] for m in self.managers],
+                    self._new_states.pop(rid, []),
+                )
+                for rid in rids
+            ],
+            finish_step=False,
+        )
 
     # ---- events and steps -----------------------------------------------------------
 
@@ -304,32 +348,44 @@ class KVCacheManager:
         """End of an engine step: offload newly computed chunks, publish finished copies,
         and return everything that happened as one batch (None if nothing did)."""
         if self.offload is not None:
-            for rid, req in self._scheduled.items():
-                self.offload.store(req, [m.req_blocks[rid] for m in self.managers])
-            self.offload.poll()
+            self.offload.end_step(
+                [
+                    (req, [m.req_blocks[rid] for m in self.managers], self._new_states.pop(rid, []))
+                    for rid, req in self._scheduled.items()
+                ]
+            )
         self._scheduled.clear()
+        self._new_states.clear()
         events = self.take_events()
         if not events:
             return None
         return KVEventBatch(ts=time.time() if ts is None else ts, events=events)
 
     def flush(self) -> None:
-        """Wait for in-flight copies and queue their events (tests, shutdown)."""
+        """Offer finished requests' chunks, wait for in-flight copies and queue their
+        events, as idle engine steps would (tests, shutdown)."""
         if self.offload is not None:
-            self.offload.wait_all()
+            self.offload.drain()
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget all cached blocks, GPU and CPU, if no request holds a block.
+    @property
+    def has_pending_work(self) -> bool:
+        """Copies in flight or finished requests' chunks still to offer: the engine keeps
+        stepping (vLLM's ``has_pending_push_work``)."""
+        return self.offload is not None and self.offload.has_pending_work
 
-        Emits one ``AllBlocksCleared``. vLLM clears its CPU tier silently; clearing both
-        here keeps the tiers in step with what a consumer does on that event (forget
-        everything of this engine).
+    def reset_prefix_cache(self, reset_external: bool = False) -> bool:
+        """vLLM's ``Scheduler.reset_prefix_cache(reset_connector=reset_external)``.
+
+        The GPU cache is forgotten if no request holds a block (else False), with one
+        ``AllBlocksCleared``. The CPU tier keeps serving hits unless ``reset_external``;
+        then it is emptied too, with no event of its own (vLLM's ``reset_cache``), even
+        when the GPU reset is refused.
         """
+        if reset_external and self.offload is not None:
+            self.offload.reset()
         if not self.is_idle():
             logger.warning("reset_prefix_cache refused: blocks still in use")
             return False
-        if self.offload is not None:
-            self.offload.reset()
         for pool in self._unique_pools:
             pool.reset(emit=False)
         if self._enable_events:

@@ -65,7 +65,7 @@ def replay(
     max_output_tokens: int = typer.Option(64, min=1, help="Cap on each request's output."),
     gpu_blocks: int = typer.Option(16_384, help="GPU KV blocks per engine."),
     cpu_blocks: int = typer.Option(65_536, help="CPU-tier blocks per engine (0 = off)."),
-    blocks_per_chunk: int = typer.Option(4),
+    blocks_per_chunk: int = typer.Option(1),
     sliding_window: int = typer.Option(1024),
     prefill_tokens_per_s: float = typer.Option(10_000.0),
     max_num_seqs: int = typer.Option(64),

@@ -26,8 +26,11 @@ def engine(
     page_bytes: int = typer.Option(4096, help="Bytes per block per group in the KV tensors."),
     gpu_blocks: int = typer.Option(2048, help="GPU KV blocks (shared by all groups)."),
     cpu_blocks: int = typer.Option(0, help="CPU offload tier size in GPU blocks; 0 = off."),
-    blocks_per_chunk: int = typer.Option(4, help="GPU blocks per offloaded chunk."),
+    blocks_per_chunk: int = typer.Option(1, help="GPU blocks per offloaded chunk (vLLM: 1)."),
     offload_policy: str = typer.Option("lru", help="lru | arc"),
+    self_describing_cpu_events: bool = typer.Option(
+        False, help="CPU events name every block (vLLM's self_describing_kv_events)."
+    ),
     kv_events_config: str = typer.Option(
         None, help="vLLM's --kv-events-config JSON (endpoint, replay_endpoint, topic, ...)."
     ),

@@ -59,7 +59,12 @@ def _table(report: dict[str, Any]) -> Any:
         caption=(
             (
                 f"{cfg['engines']} real vLLM CPU engines (tiny Gemma-3-like model, "
-                f"{cfg['gpu_blocks']} KV blocks)"
+                f"{cfg['gpu_blocks']} KV blocks"
+                + (
+                    f", vLLM's OffloadingConnector with {cfg['cpu_blocks']} CPU blocks)"
+                    if cfg.get("cpu_offload")
+                    else ")"
+                )
                 if cfg.get("engine") == "vllm"
                 else f"{cfg['engines']} {cfg['profile']} engines ({cfg['gpu_blocks']} GPU / "
                 f"{cfg['cpu_blocks']} CPU blocks, time x{cfg['time_scale']:g})"
@@ -116,6 +121,11 @@ def up(
     max_tokens: int = typer.Option(24, min=1, help="Tokens generated per turn."),
     gpu_blocks: int = typer.Option(512, min=1, help="GPU KV blocks per engine (small: evicts)."),
     cpu_blocks: int = typer.Option(1024, min=0, help="CPU offload blocks per engine; 0 = off."),
+    cpu_offload: bool = typer.Option(
+        False,
+        help="--engine vllm: run vLLM's OffloadingConnector with a CPU tier of --cpu-blocks "
+        "blocks (our host-memory spec on the CPU build); GPU/CPU reuse from vLLM's metrics.",
+    ),
     time_scale: float = typer.Option(1.0, min=0.01, help="Engines run X times real time."),
     seed: int = typer.Option(0, help="Workload seed (same seed, same prompts)."),
     keep_logs: bool = typer.Option(False, help="Keep child process logs (always on failure)."),

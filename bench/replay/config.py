@@ -31,7 +31,7 @@ class EngineConfig:
     profile: str = "swa-hybrid"
     gpu_blocks: int = 16_384
     cpu_blocks: int = 65_536
-    blocks_per_chunk: int = 4
+    blocks_per_chunk: int = 1  # vLLM OffloadingConnector default
     block_size: int | None = None  # None: the profile's (vLLM's choice for that family)
     sliding_window: int = 1024
     page_bytes: int = 16

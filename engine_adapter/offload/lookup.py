@@ -1,4 +1,4 @@
-"""How a request's prefix maps onto offloaded chunks: keys, CPU hit, recency touches.
+"""How a request's prefix maps onto offloaded chunks: keys and the CPU hit.
 
 Chunk ``c`` of group ``g`` covers GPU blocks ``[c*k, (c+1)*k)`` and is keyed, as in vLLM,
 by the digest of its *last* block and the group: ``(block_hashes[(c+1)*k - 1], g)``. The
@@ -14,7 +14,7 @@ from engine_adapter.request import Request
 from events.groups import KVCacheSpec
 from events.offload_hit import cpu_extension, window_in_chunks
 
-__all__ = ["OffloadKey", "chunk_key", "num_cpu_hit_tokens", "touch_keys"]
+__all__ = ["OffloadKey", "chunk_key", "hit_chunk_keys", "num_cpu_hit_tokens"]
 
 # (digest of the chunk's last block, group_idx)
 OffloadKey = tuple[bytes, int]
@@ -42,21 +42,24 @@ def num_cpu_hit_tokens(
     return cpu_extension(specs, cpu_cached, request.num_tokens, gpu_hit, tokens_per_chunk)
 
 
-def touch_keys(
-    specs: Sequence[KVCacheSpec], request: Request, blocks_per_chunk: int
+def hit_chunk_keys(
+    specs: Sequence[KVCacheSpec],
+    request: Request,
+    blocks_per_chunk: int,
+    start_tokens: int,
+    end_tokens: int,
 ) -> list[OffloadKey]:
-    """Keys whose recency a lookup refreshes, as vLLM's connector does.
-
-    Full attention: every chunk of the prompt (a future hit needs the whole prefix).
-    Sliding window / Mamba: only the last window of chunks (older ones never serve this
-    prefix again). Groups in order, chunks ascending; policies walk them in reverse.
-    """
+    """Keys of the chunks a CPU hit over tokens ``[start_tokens, end_tokens)`` reads: every
+    chunk for full attention, the last ``window`` chunks for a windowed group (vLLM's
+    ``_lookup_complete_chunks`` delay check over ``_chunks_being_loaded``)."""
     hashes = request.block_hashes
     k = blocks_per_chunk
-    n_chunks = len(hashes) // k
     keys: list[OffloadKey] = []
     for g, spec in enumerate(specs):
-        window = window_in_chunks(spec, k * spec.block_size)
-        lo = 0 if window is None else max(0, n_chunks - window)
-        keys.extend((hashes[(c + 1) * k - 1], g) for c in range(lo, n_chunks))
+        tpc = k * spec.block_size
+        lo, hi = start_tokens // tpc, -(-end_tokens // tpc)
+        window = window_in_chunks(spec, tpc)
+        if window is not None:
+            lo = max(lo, hi - window)
+        keys.extend((hashes[(c + 1) * k - 1], g) for c in range(lo, hi))
     return keys

@@ -1,18 +1,42 @@
 """The CPU offload tier: chunk slots, eviction policy, copies, and ``medium="CPU"`` events.
 
-Stores follow vLLM's ``OffloadingConnector``: at the end of each engine step (and when a
-request finishes) every newly computed, whole chunk of a request is offered per group;
-chunks already offloaded are skipped, sliding-window chunks with a freed block are
-skipped, and a Mamba chunk is stored only if the state at its end is a cached block
-(only that block is copied, to the chunk's last row). Making room evicts idle chunks
-through the policy and emits ``BlockRemoved`` at once; the ``BlockStored`` of a new chunk
-waits until its copy is observed complete. GPU blocks still being read by a store are
-protected by a pool hook: handing such a block out again first waits for the copy.
+It behaves as vLLM 0.32's ``OffloadingConnector`` with ``CPUOffloadingSpec`` does (checked
+against the real connector in ``tests/vllm/test_offload_differential.py``); each rule names
+the vLLM function it follows (``offloading/scheduler.py`` unless said otherwise):
 
-Events are self-describing by default (per-GPU-block hashes, parent, token ids, block
-size, for every group; a Mamba chunk names only its state block, the way vLLM's GPU
-events skip null blocks). ``self_describing=False`` emits vLLM's legacy placeholder: the
-chunk's last hash, no tokens, ``block_size=0``. Removals fan out to the same hashes.
+* **What is offered** (``_build_store_jobs``): at the end of every step, for every request
+  scheduled in it, the whole chunks its computed tokens cover (``storable_chunks``; prompt
+  tokens only, ``offload_prompt_only``), from the request's next unstored chunk on. A
+  chunk is offered when its last GPU block is not null and, for a sliding-window group, one
+  of its blocks is reachable (``_reachable_store_block_mask`` ->
+  ``SlidingWindowManager.reachable_block_mask`` with ``prefix_cache_retention_interval``
+  0: the window before the replay boundary ``num_prompt_tokens - 1`` and before the
+  shared-prefix junction, each floored to the full-attention chunk). A Mamba group offers
+  the state blocks the GPU tier cached in that step whose end is a chunk end
+  (``_build_aligned_boundary_store_jobs``, one key per offer, before the others). A
+  finished request's last chunks are offered at the next step's end, then its accesses
+  re-rank the policy (``CPUOffloadingManager.on_request_finished``).
+* **Where storing starts**: chunk 0, so chunks of a GPU hit are offered again (present
+  ones count as reused); after a CPU load, the chunk after the loaded prefix
+  (``update_state_after_alloc``).
+* **Storing** (``CPUOffloadingManager.prepare_store``): keys already present are skipped;
+  room is made by evicting idle chunks through the policy (never the offered keys), all or
+  nothing -- on failure nothing is stored and the same chunks are offered next step; a
+  ``BlockRemoved`` per group at once. A new chunk is readable when its copy completes: the
+  step after the one that offered it (vLLM's worker submits a store at the next step's
+  start), ``copy_delay_steps`` later still if asked; its ``BlockStored`` then.
+* **Lookup** (``_lookup_complete_chunks``): a pure read (no recency change); chunks still
+  being written count as present, but a request whose hit needs one waits
+  (:meth:`OffloadManager.must_wait`).
+* **Events** (``OffloadingEventsTracker``): placeholders by default -- the chunk's last
+  hash, no parent, no tokens, ``block_size`` 0, no kind; with ``self_describing`` the
+  full-attention chunks name every block hash, parent, tokens, block size and kind, and
+  window / Mamba groups keep the placeholder. A removal names what the store named.
+* **Reset**: only on request (``reset_cache``), without events.
+
+Not modelled: Mamba states at hash boundaries inside a block (partial tails),
+``store_threshold``, per-request ``kv_transfer_params``, asynchronous loads (a load is
+waited for at once), adapter ids on events.
 """
 
 from __future__ import annotations
@@ -20,35 +44,40 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 
 from engine_adapter.block_pool import KVBlock
-from engine_adapter.offload.lookup import OffloadKey, num_cpu_hit_tokens, touch_keys
+from engine_adapter.offload.lookup import OffloadKey, hit_chunk_keys, num_cpu_hit_tokens
 from engine_adapter.offload.policies import Chunk, make_policy
 from engine_adapter.offload.transfer import GroupCopy, TransferEngine
 from engine_adapter.profiles import ModelProfile, allocate_cpu_kv
 from engine_adapter.request import Request
-from events.groups import MambaSpec
+from events.groups import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from events.structs import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 
 __all__ = ["OffloadConfig", "OffloadManager"]
 
 logger = logging.getLogger(__name__)
 
+Table = Sequence[KVBlock | None]
+
 
 @dataclass(frozen=True, slots=True)
 class OffloadConfig:
-    """CPU tier settings (vLLM: ``kv_connector_extra_config`` of ``OffloadingConnector``)."""
+    """CPU tier settings; names and defaults are vLLM's ``kv_connector_extra_config``
+    keys of ``OffloadingConnector`` (``blocks_per_chunk`` 1, ``eviction_policy`` lru,
+    ``self_describing_kv_events`` false, ``offload_prompt_only`` true)."""
 
     num_cpu_chunks: int
-    blocks_per_chunk: int = 4
+    blocks_per_chunk: int = 1
     policy: str = "lru"  # "lru" | "arc"
-    self_describing: bool = True
+    self_describing: bool = False
     offload_prompt_only: bool = True
     pin_memory: bool | None = None  # default: only when CUDA is present
+    copy_delay_steps: int = 0  # extra steps a store stays in flight (tests)
 
 
 @dataclass(slots=True)
@@ -59,6 +88,7 @@ class _ChunkInfo:
     parent: int | None
     token_ids: list[int]
     lora_name: str | None
+    described: bool
 
 
 @dataclass(slots=True)
@@ -66,6 +96,18 @@ class _Job:
     kind: str  # "store" | "load"
     keys: list[OffloadKey]
     src_blocks: list[KVBlock]
+    due_step: int = 0
+
+
+@dataclass(slots=True)
+class _ReqState:
+    """vLLM's ``RequestOffloadState`` + the manager's ``_RequestCacheAccess``."""
+
+    next_stored: list[int]
+    keys_seen: dict[OffloadKey, int] = field(default_factory=dict)  # key -> end token
+    inserted: set[OffloadKey] = field(default_factory=set)
+    reused: set[OffloadKey] = field(default_factory=set)
+    store_misses: set[OffloadKey] = field(default_factory=set)
 
 
 class OffloadManager:
@@ -95,9 +137,17 @@ class OffloadManager:
         self._info: dict[OffloadKey, _ChunkInfo] = {}
         self._jobs: dict[int, _Job] = {}
         self._job_ids = 0
+        self._step = 0
         self._pending_src: dict[KVBlock, int] = {}  # GPU block -> store job reading it
         self._mamba = [isinstance(spec, MambaSpec) for spec in self.specs]
-        self._next_stored: dict[str, list[int]] = {}
+        self._full = [isinstance(spec, FullAttentionSpec) for spec in self.specs]
+        self._reqs: dict[str, _ReqState] = {}
+        # Finished requests, offered at the end of the step after they finished.
+        self._finishing: list[tuple[Request, list[list[KVBlock | None]]]] = []
+        self._finished: list[tuple[Request, list[list[KVBlock | None]]]] = []
+        # vLLM's SchedulerOffloadConfig.alignment_tokens: the full-attention chunk (the
+        # largest chunk for models without full attention).
+        self.alignment_tokens = self.tokens_per_chunk
         self.stats: Counter[str] = Counter()
 
     # ---- lookup ---------------------------------------------------------------------
@@ -111,12 +161,25 @@ class OffloadManager:
         chunk = self.policy.get(key)
         return chunk is not None and chunk.ref_cnt >= 0
 
+    def is_present(self, key: OffloadKey) -> bool:
+        return self.policy.get(key) is not None
+
     def lookup(self, request: Request, gpu_hit: int) -> int:
-        """CPU extension of ``gpu_hit`` for ``request``; refreshes the prompt's recency."""
-        self.policy.touch(touch_keys(self.specs, request, self.k))
+        """CPU extension of ``gpu_hit`` for ``request`` (chunks being written included).
+
+        A pure read, as ``CPUOffloadingManager.lookup``: recency changes only when the
+        request finishes."""
         return num_cpu_hit_tokens(
-            self.specs, request, gpu_hit, self.tokens_per_chunk, self.is_ready
+            self.specs, request, gpu_hit, self.tokens_per_chunk, self.is_present
         )
+
+    def must_wait(self, request: Request, gpu_hit: int, cpu_hit: int) -> bool:
+        """Whether a chunk this hit reads is still being written: vLLM then defers the
+        request (``get_num_new_matched_tokens`` returns None) and asks again next step."""
+        if not cpu_hit:
+            return False
+        keys = hit_chunk_keys(self.specs, request, self.k, gpu_hit, gpu_hit + cpu_hit)
+        return any(not self.is_ready(key) for key in keys)
 
     def can_load(self, request: Request, indices: Sequence[Sequence[int]]) -> bool:
         """Whether every chunk holding these per-group block positions is readable."""
@@ -130,14 +193,22 @@ class OffloadManager:
 
     # ---- load -----------------------------------------------------------------------
 
-    def load(self, request: Request, fills: Sequence[Sequence[tuple[int, KVBlock]]]) -> int:
+    def load(
+        self,
+        request: Request,
+        fills: Sequence[Sequence[tuple[int, KVBlock]]],
+        num_cached_tokens: int,
+    ) -> int:
         """Copy the chunks behind ``fills[g] = [(block position, fresh block)]`` to GPU.
 
-        Waits for the copy (the engine computes on these blocks next). Returns chunks read.
+        Waits for the copy (the engine computes on these blocks next). The request's
+        stores then start after the loaded prefix (``update_state_after_alloc``).
+        Returns chunks read.
         """
         hashes = request.block_hashes
         k = self.k
         pinned: dict[OffloadKey, Chunk] = {}
+        chunk_of: dict[OffloadKey, int] = {}
         copies: list[GroupCopy] = []
         for g, pairs in enumerate(fills):
             gpu_rows: list[int] = []
@@ -150,12 +221,18 @@ class OffloadManager:
                 if key not in pinned:
                     chunk.ref_cnt += 1  # not evictable while read
                     pinned[key] = chunk
+                    chunk_of[key] = idx // k
                 gpu_rows.append(block.block_id)
                 cpu_rows.append(chunk.slot * k + idx % k)
             if gpu_rows:
                 copies.append(GroupCopy(g, gpu_rows, cpu_rows))
+        state = self._state(request)
+        state.next_stored = [-(-num_cached_tokens // self.tokens_per_chunk)] * len(self.specs)
         if not copies:
             return 0
+        tpc = self.tokens_per_chunk
+        self._seen(state, [(key, (chunk_of[key] + 1) * tpc) for key in pinned])
+        state.reused.update(key for key in pinned if key not in state.inserted)
         job = self._new_job(_Job("load", list(pinned), []))
         self.transfer.submit(job, "load", copies)
         self._complete(self.transfer.wait([job]))
@@ -164,87 +241,206 @@ class OffloadManager:
 
     # ---- store ----------------------------------------------------------------------
 
-    def store(self, request: Request, tables: Sequence[Sequence[KVBlock | None]]) -> int:
-        """Offer ``request``'s newly computed whole chunks; returns chunks being stored."""
-        rid = request.request_id
+    def _state(self, request: Request) -> _ReqState:
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            state = self._reqs[request.request_id] = _ReqState([0] * len(self.specs))
+        return state
+
+    @staticmethod
+    def _seen(state: _ReqState, keys: Sequence[tuple[OffloadKey, int]]) -> None:
+        """Record accessed keys with their end token (vLLM's offload key position)."""
+        for key, end in keys:
+            state.keys_seen.setdefault(key, end)
+
+    def _reachable(self, request: Request, g: int, lo_chunk: int, hi_chunk: int) -> list[bool]:
+        """Per chunk in ``[lo_chunk, hi_chunk)``: does a block of it serve a hit? Full
+        attention and Mamba: yes; sliding window: vLLM's reachable mask at retention 0."""
+        spec = self.specs[g]
+        n = hi_chunk - lo_chunk
+        if not isinstance(spec, SlidingWindowSpec):
+            return [True] * n
+        bs, k = spec.block_size, self.k
+        if self.alignment_tokens % bs:
+            return [True] * n
+        need = spec.window_blocks
+        keep: set[int] = set()
+        boundaries = [request.num_prompt_tokens - 1]
+        if request.shared_prefix_boundary:
+            boundaries.append(request.shared_prefix_boundary)
+        for b in boundaries:
+            end = b // self.alignment_tokens * self.alignment_tokens // bs
+            keep.update(range(max(0, end - need), end))
+        return [any((c * k + i) in keep for i in range(k)) for c in range(lo_chunk, hi_chunk)]
+
+    def store(
+        self,
+        request: Request,
+        tables: Sequence[Table],
+        num_tokens: int,
+        new_state_blocks: Sequence[Sequence[int]] = (),
+    ) -> int:
+        """Offer ``request``'s whole chunks up to ``num_tokens`` computed tokens (vLLM's
+        ``_build_store_jobs``); ``new_state_blocks[g]``: Mamba state blocks the GPU tier
+        cached this step. Returns chunks being stored."""
         k = self.k
-        num_tokens = min(request.num_computed_tokens, request.num_tokens)
+        tpc = self.tokens_per_chunk
+        num_tokens = min(num_tokens, request.num_tokens)
         if self.config.offload_prompt_only:
             num_tokens = min(num_tokens, request.num_prompt_tokens)
-        num_chunks = min(num_tokens // self.tokens_per_chunk, len(request.block_hashes) // k)
-        next_stored = self._next_stored.setdefault(rid, [0] * len(tables))
-        ends = list(next_stored)
-        offers: list[tuple[OffloadKey, int, list[tuple[int, KVBlock]]]] = []
         hashes = request.block_hashes
+        state = self._state(request)
+        stored = 0
+        # Mamba: one offer per state block cached this step ending on a chunk end.
+        for g, positions in enumerate(new_state_blocks):
+            if not self._mamba[g]:
+                continue
+            for i in positions:
+                block = tables[g][i] if i < len(tables[g]) else None
+                if block is None or (i + 1) % k or (i + 1) * self.block_size > num_tokens:
+                    continue
+                key = (hashes[i], g)
+                rows = [(k - 1, block)]
+                stored += self._prepare_store(request, state, [(key, i // k, rows)], [key])
+        offers: list[tuple[OffloadKey, int, list[tuple[int, KVBlock]]]] = []
+        ends = list(state.next_stored)
         for g, table in enumerate(tables):
-            end = min(num_chunks, len(table) // k)
-            ends[g] = max(next_stored[g], end)
-            mamba = self._mamba[g]
-            for c in range(next_stored[g], end):
-                lo = c * k
-                if mamba:
-                    last = table[lo + k - 1]
-                    if last is None or last.key is None:
-                        continue  # no state saved at this chunk's end
-                    rows = [(k - 1, last)]
-                else:
-                    seg = table[lo : lo + k]
-                    if None in seg:
-                        continue  # a window block already freed: the chunk is incomplete
-                    rows = list(enumerate(cast(list[KVBlock], seg)))
-                offers.append(((hashes[lo + k - 1], g), c, rows))
-        todo = [o for o in offers if self.policy.get(o[0]) is None]
+            end = min(num_tokens // tpc, len(table) // k, len(hashes) // k)
+            ends[g] = max(state.next_stored[g], end)
+            start = state.next_stored[g]
+            if self._mamba[g] or end <= start:
+                continue
+            reachable = self._reachable(request, g, start, end)
+            for c in range(start, end):
+                seg = table[c * k : (c + 1) * k]
+                if seg[-1] is None or not reachable[c - start]:
+                    continue
+                rows = [(i, b) for i, b in enumerate(seg) if b is not None]
+                offers.append(((hashes[c * k + k - 1], g), c, cast(list, rows)))
+        if offers:
+            done = self._prepare_store(request, state, offers, [o[0] for o in offers])
+            if done < 0:
+                return stored  # no room: offered again next step
+            stored += done
+        state.next_stored = ends
+        return stored
+
+    def _prepare_store(
+        self,
+        request: Request,
+        state: _ReqState,
+        offers: list[tuple[OffloadKey, int, list[tuple[int, KVBlock]]]],
+        keys: list[OffloadKey],
+    ) -> int:
+        """``CPUOffloadingManager.prepare_store`` + submitting the copy; -1: no room."""
+        todo = []
+        ready_existing = []
+        for offer in offers:
+            chunk = self.policy.get(offer[0])
+            if chunk is None:
+                todo.append(offer)
+            elif chunk.is_ready:
+                ready_existing.append(offer[0])
+        misses = [o[0] for o in todo if o[0] not in state.store_misses]
+        if misses:
+            self.policy.on_store_miss(misses)
+            state.store_misses.update(misses)
+        recorded = {o[0] for o in todo} | set(ready_existing)
+        tpc = self.tokens_per_chunk
+        self._seen(state, [(o[0], (o[1] + 1) * tpc) for o in offers if o[0] in recorded])
+        state.reused.update(key for key in ready_existing if key not in state.inserted)
         if not todo:
-            next_stored[:] = ends
             return 0
         shortfall = len(todo) - len(self._free_slots)
         if shortfall > 0:
-            victims = self.policy.evict(shortfall, {key for key, _, _ in offers})
+            victims = self.policy.evict(shortfall, set(keys))
             if victims is None:
                 self.stats["store_failures"] += 1
-                logger.debug("request %s: no idle CPU chunk to evict; retry next step", rid)
-                return 0
+                logger.debug("request %s: no idle CPU chunk to evict", request.request_id)
+                return -1
             self._drop(victims)
-        gpu_rows: list[list[int]] = [[] for _ in tables]
-        cpu_rows: list[list[int]] = [[] for _ in tables]
+        k = self.k
+        n_groups = len(self.specs)
+        gpu_rows: list[list[int]] = [[] for _ in range(n_groups)]
+        cpu_rows: list[list[int]] = [[] for _ in range(n_groups)]
         src: list[KVBlock] = []
-        chunks: list[Chunk] = []
         for key, c, rows in todo:
             chunk = Chunk(self._free_slots.pop())
-            chunks.append(chunk)
+            self.policy.insert(key, chunk)
             self._info[key] = self._snapshot(request, key[1], c)
             base = chunk.slot * k
             gpu_rows[key[1]].extend(block.block_id for _, block in rows)
             cpu_rows[key[1]].extend(base + offset for offset, _ in rows)
             src.extend(block for _, block in rows)
-        # Insert tail chunks first so a prefix's head ends up most recent: tails go first.
-        for (key, _, _), chunk in zip(reversed(todo), reversed(chunks), strict=True):
-            self.policy.insert(key, chunk)
-        job = self._new_job(_Job("store", [key for key, _, _ in todo], src))
-        pending = self._pending_src
+        state.inserted.update(o[0] for o in todo)
+        due = self._step + 1 + self.config.copy_delay_steps
+        job = self._new_job(_Job("store", [o[0] for o in todo], src, due))
         for block in src:
-            pending[block] = job  # a block is read by at most one pending store
-        copies = [GroupCopy(g, gpu_rows[g], cpu_rows[g]) for g in range(len(tables)) if gpu_rows[g]]
+            self._pending_src[block] = job  # a block is read by at most one pending store
+        copies = [GroupCopy(g, gpu_rows[g], cpu_rows[g]) for g in range(n_groups) if gpu_rows[g]]
         self.transfer.submit(job, "store", copies)
-        next_stored[:] = ends
         self.stats["stores_submitted"] += len(todo)
         return len(todo)
 
-    def request_finished(self, request_id: str) -> None:
-        self._next_stored.pop(request_id, None)
+    def request_finished(self, request: Request, tables: Sequence[Table]) -> None:
+        """The request finished (or was preempted): its last chunks are offered and its
+        accesses re-rank the policy at the next step's end (``request_finished`` ->
+        ``_build_store_jobs`` over ``finished_req_ids`` -> ``on_request_finished``)."""
+        self._finishing.append((request, [list(t) for t in tables]))
+
+    def end_step(
+        self,
+        scheduled: Sequence[tuple[Request, Sequence[Table], Sequence[Sequence[int]]]],
+        *,
+        finish_step: bool = True,
+    ) -> None:
+        """End of an engine step (vLLM's ``build_connector_meta`` then
+        ``update_connector_output``): offer the scheduled requests' chunks, then those of
+        the requests that finished in an earlier step, re-rank for them, then complete the
+        copies due. ``finish_step=False``: only the offers of ``scheduled``."""
+        for request, tables, new_states in scheduled:
+            self.store(request, tables, request.num_computed_tokens, new_states)
+        if not finish_step:
+            return
+        finished, self._finished, self._finishing = self._finished, self._finishing, []
+        for request, tables in finished:
+            num = max(request.num_prompt_tokens, request.num_tokens - 1)
+            self.store(request, tables, min(num, request.num_computed_tokens))
+        for request, _ in finished:
+            state = self._reqs.pop(request.request_id, None)
+            if state is not None:
+                self._on_request_finished(state)
+        self._complete([j for j, job in self._jobs.items() if job.due_step <= self._step])
+        self._step += 1
+
+    def _on_request_finished(self, state: _ReqState) -> None:
+        groups: dict[int, list[OffloadKey]] = {}
+        for key in state.keys_seen:
+            groups.setdefault(key[1], []).append(key)
+        flat = [key for g in sorted(groups) for key in groups[g]]
+        flat.sort(key=state.keys_seen.__getitem__)  # stable: head to tail, groups in order
+        self.policy.on_request_finished(flat, state.inserted - state.reused, state.reused)
+
+    @property
+    def has_pending_work(self) -> bool:
+        """vLLM's ``has_pending_push_work``: the engine keeps stepping while copies are in
+        flight or finished requests still have chunks to offer."""
+        return bool(self._finished or self._finishing) or any(
+            j.kind == "store" for j in self._jobs.values()
+        )
 
     def _snapshot(self, request: Request, g: int, c: int) -> _ChunkInfo:
         k, bs = self.k, self.block_size
         wires = request.wire_hashes
         lo, hi = c * k, (c + 1) * k
-        if not self.config.self_describing:
-            return _ChunkInfo([wires[hi - 1]], None, [], None)
-        hashes = [wires[hi - 1]] if self._mamba[g] else wires[lo:hi]
+        if not (self.config.self_describing and self._full[g]):
+            return _ChunkInfo([wires[hi - 1]], None, [], None, False)
         return _ChunkInfo(
-            hashes,
+            wires[lo:hi],
             wires[lo - 1] if lo else None,
             request.all_token_ids[lo * bs : hi * bs],
             request.lora_name,
+            True,
         )
 
     def _drop(self, victims: list[tuple[OffloadKey, Chunk]]) -> None:
@@ -265,6 +461,8 @@ class OffloadManager:
         return self._job_ids
 
     def _complete(self, job_ids: list[int]) -> None:
+        """Observe jobs done (waiting for copies still running) and publish stores."""
+        self.transfer.wait(job_ids)
         for job_id in job_ids:
             job = self._jobs.pop(job_id)
             pending = self._pending_src
@@ -290,42 +488,63 @@ class OffloadManager:
             block_hashes=list(info.hashes),
             parent_block_hash=info.parent,
             token_ids=info.token_ids,
-            block_size=self.block_size if self.config.self_describing else 0,
+            block_size=self.block_size if info.described else 0,
             lora_id=None,
             medium=MEDIUM_CPU,
             lora_name=info.lora_name,
             extra_keys=None,
             group_idx=key[1],
-            kv_cache_spec_kind=spec.kind,
-            kv_cache_spec_sliding_window=spec.sliding_window,
+            kv_cache_spec_kind=spec.kind if info.described else None,
+            kv_cache_spec_sliding_window=spec.sliding_window if info.described else None,
         )
 
     def poll(self) -> None:
-        """Publish the stores whose copies have finished."""
-        self._complete(self.transfer.poll())
+        """Publish the stores whose copies are due (tests; ``end_step`` does this)."""
+        self._complete([j for j, job in self._jobs.items() if job.due_step <= self._step])
 
     def wait_all(self) -> None:
-        self._complete(self.transfer.wait_all())
+        self._complete(list(self._jobs))
+
+    def drain(self) -> None:
+        """Finish everything pending as if the engine kept stepping idle: finished
+        requests' offers, then every copy (tests, shutdown)."""
+        for _ in range(4 + self.config.copy_delay_steps):
+            if not self.has_pending_work:
+                break
+            self.end_step([])
+        self.wait_all()
 
     def on_blocks_reused(self, blocks: list[KVBlock]) -> None:
-        """Pool hook: finish stores still reading blocks that are about to be reused."""
+        """Pool hook: a store still reading blocks about to be reused finishes its copy
+        first (vLLM's ``jobs_to_flush``); the chunk stays in flight until it is due."""
         if not self._pending_src:
             return
         pending = self._pending_src
         jobs = {pending[b] for b in blocks if b in pending}
         if jobs:
             self.stats["store_flushes"] += 1
-            self._complete(self.transfer.wait(sorted(jobs)))
+            self.transfer.wait(sorted(jobs))
+            for b in blocks:
+                pending.pop(b, None)
 
     # ---- state ----------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Drop every chunk without events (the caller emits ``AllBlocksCleared``)."""
-        self.wait_all()
+        """Drop every chunk without events (``OffloadingConnectorScheduler.reset_cache``:
+        running requests offer their chunks again from chunk 0)."""
+        self.transfer.wait(list(self._jobs))
+        self._jobs.clear()
         self.policy.clear()
         self._info.clear()
         self._pending_src.clear()
-        self._next_stored.clear()
+        for state in self._reqs.values():
+            state.next_stored = [0] * len(self.specs)
+            state.keys_seen.clear()
+            state.inserted.clear()
+            state.reused.clear()
+            state.store_misses.clear()
+        self._finished.clear()
+        self._finishing.clear()
         self._free_slots = list(range(self.config.num_cpu_chunks - 1, -1, -1))
 
     def residency(self) -> Counter[tuple[int, int]]:

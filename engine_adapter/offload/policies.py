@@ -1,11 +1,22 @@
-"""Eviction policies for the CPU tier: LRU and ARC, over chunk keys.
+"""Eviction policies for the CPU tier: LRU and ARC, over chunk keys, as vLLM 0.32 runs them.
 
+vLLM: ``vllm/v1/kv_offload/cpu/policies/{lru,arc}.py`` behind ``CPUOffloadingManager``.
 A chunk is readable once its store copy completed (``ref_cnt >= 0``), evictable only when
-idle (``ref_cnt == 0``: not being written, not being loaded). Both policies follow the
-behaviour of vLLM's CPU offloading manager (docs §5.3): ``touch`` walks the keys in
-reverse so the *first* key of a request ends up most recent and a prefix's tail chunks
-go first; ``evict`` is atomic (all ``n`` victims or nothing) and never picks a
-``protected`` key (the keys of the store being prepared).
+idle (``ref_cnt == 0``: not being written, not being loaded). A lookup never changes
+recency. What does:
+
+* ``insert`` (``prepare_store``): a new chunk is the most recent (LRU) / enters T1 (ARC),
+  in the order the store offered its keys;
+* ``on_store_miss`` (``prepare_store``, once per key and request): ARC adapts its target
+  on a ghost (B1/B2) hit; LRU ignores it;
+* ``on_request_finished`` (``CPUOffloadingManager.on_request_finished``, when the request
+  finishes): the keys the request stored or reused, all groups in head-to-tail order
+  (``order_request_keys``), are re-ranked from the tail, so the prompt's head ends most
+  recent; ARC promotes reused chunks to T2 and leaves chunks the request only inserted
+  in T1.
+
+``evict`` is atomic (all ``n`` victims or nothing) and never picks a ``protected`` key
+(the keys of the store being prepared).
 """
 
 from __future__ import annotations
@@ -37,7 +48,10 @@ class CachePolicy(Protocol):
     def get(self, key: Key) -> Chunk | None: ...
     def insert(self, key: Key, chunk: Chunk) -> None: ...
     def remove(self, key: Key) -> None: ...
-    def touch(self, keys: Sequence[Key]) -> None: ...
+    def on_store_miss(self, keys: Sequence[Key]) -> None: ...
+    def on_request_finished(
+        self, keys: Sequence[Key], inserted_only: set[Key], reused: set[Key]
+    ) -> None: ...
     def evict(self, n: int, protected: set[Key]) -> list[tuple[Key, Chunk]] | None: ...
     def clear(self) -> None: ...
     def items(self) -> Iterator[tuple[Key, Chunk]]: ...
@@ -51,7 +65,8 @@ def _pick(entries: Iterable[tuple[Key, Chunk]], protected: set[Key]) -> Iterator
 
 
 class LRUPolicy:
-    """Least recently stored/touched idle chunk goes first."""
+    """Least recently inserted / re-ranked idle chunk goes first (``LRUCachePolicy``:
+    its ranks are the order of this dict)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -66,7 +81,12 @@ class LRUPolicy:
     def remove(self, key: Key) -> None:
         self._chunks.pop(key, None)
 
-    def touch(self, keys: Sequence[Key]) -> None:
+    def on_store_miss(self, keys: Sequence[Key]) -> None:
+        return  # LRU's touch of keys not yet cached is a no-op
+
+    def on_request_finished(
+        self, keys: Sequence[Key], inserted_only: set[Key], reused: set[Key]
+    ) -> None:
         chunks = self._chunks
         for key in reversed(keys):
             if key in chunks:
@@ -123,22 +143,33 @@ class ARCPolicy:
         if self.t1.pop(key, None) is None:
             self.t2.pop(key, None)
 
-    def touch(self, keys: Sequence[Key]) -> None:
+    def _adapt_to_ghost_hit(self, key: Key) -> None:
+        if key in self.b1:
+            delta = max(1.0, len(self.b2) / len(self.b1))
+            self.target_t1_size = min(self.target_t1_size + delta, float(self.capacity))
+            self.b1.move_to_end(key)
+        elif key in self.b2:
+            delta = max(1.0, len(self.b1) / len(self.b2))
+            self.target_t1_size = max(self.target_t1_size - delta, 0.0)
+            self.b2.move_to_end(key)
+
+    def on_store_miss(self, keys: Sequence[Key]) -> None:
         for key in reversed(keys):
-            if key in self.t1:
-                chunk = self.t1.pop(key)
-                if chunk.is_ready:
-                    self.t2[key] = chunk
-                else:  # still being written: not a second use
-                    self.t1[key] = chunk
-            elif key in self.t2:
+            self._adapt_to_ghost_hit(key)
+
+    def on_request_finished(
+        self, keys: Sequence[Key], inserted_only: set[Key], reused: set[Key]
+    ) -> None:
+        for key in reversed(keys):
+            if key in inserted_only:  # a store is not a second use
+                if key in self.t1:
+                    self.t1.move_to_end(key)
+                elif key in self.t2:
+                    self.t2.move_to_end(key)
+            elif key in reused and key in self.t1:
+                self.t2[key] = self.t1.pop(key)
+            elif key in reused and key in self.t2:
                 self.t2.move_to_end(key)
-            elif key in self.b1:
-                delta = max(1.0, len(self.b2) / len(self.b1))
-                self.target_t1_size = min(self.target_t1_size + delta, float(self.capacity))
-            elif key in self.b2:
-                delta = max(1.0, len(self.b1) / len(self.b2))
-                self.target_t1_size = max(self.target_t1_size - delta, 0.0)
 
     def evict(self, n: int, protected: set[Key]) -> list[tuple[Key, Chunk]] | None:
         if n <= 0:

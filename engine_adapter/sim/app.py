@@ -333,6 +333,13 @@ def create_app(
             ],
         }
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(reset_external: bool = False) -> JSONResponse:
+        """vLLM's dev endpoint: forget the GPU prefix cache (refused while a request holds
+        blocks); ``reset_external=true`` also empties the CPU tier."""
+        ok = all(c.reset_prefix_cache(reset_external) for c in cores)
+        return JSONResponse({"success": ok})
+
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if all(c.healthy for c in cores) else 503)

@@ -182,8 +182,13 @@ class EngineCore:
     async def _loop(self) -> None:
         while True:
             if not self.running and not self.waiting:
-                self._wake.clear()
-                await self._wake.wait()
+                if self.kv.has_pending_work:
+                    # Copies in flight: keep stepping so their events come out (vLLM's
+                    # engine steps while the connector has pending push work).
+                    await asyncio.sleep(self.timing.step_seconds(0, 0, 0))
+                else:
+                    self._wake.clear()
+                    await self._wake.wait()
             try:
                 await self._step()
             except Exception:
@@ -241,6 +246,9 @@ class EngineCore:
 
         # 2. Admit waiting requests, first come first served, unless this step preempted:
         # the whole sequence must fit; the first that does not blocks the rest.
+        # A request whose CPU hit reads chunks still being written is skipped this step
+        # (vLLM: the connector's lookup returns None) and keeps its place in the queue.
+        skipped: list[_Seq] = []
         while (
             not preempted
             and self.waiting
@@ -250,6 +258,9 @@ class EngineCore:
             seq = self.waiting[0]
             req = seq.request
             gpu, cpu = self.kv.lookup(req)
+            if self.kv.cpu_hit_must_wait(req, gpu, cpu):
+                skipped.append(self.waiting.popleft())
+                continue
             start = min(gpu + cpu, req.num_tokens - 1)
             n = self._mamba_split(req, min(req.num_tokens - start, budget), start)
             if n <= 0:
@@ -278,6 +289,8 @@ class EngineCore:
             budget -= n
             prefill_tokens += n
             loaded_tokens += cpu
+
+        self.waiting.extendleft(reversed(skipped))
 
         if not scheduled:
             if self.running or self.waiting:
@@ -349,7 +362,7 @@ class EngineCore:
 
     def _preempt(self, seq: _Seq) -> None:
         """vLLM's recompute preemption: free the blocks, re-queue at the front."""
-        self.kv.free(seq.request)
+        self.kv.free(seq.request, finished=False)
         seq.request.num_computed_tokens = 0
         seq.request.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -365,6 +378,11 @@ class EngineCore:
             self.kv.free(seq.request)
         if any(s.aborted for s in self.waiting):
             self.waiting = deque(s for s in self.waiting if not s.aborted)
+
+    def reset_prefix_cache(self, reset_external: bool = False) -> bool:
+        """``KVCacheManager.reset_prefix_cache``; its ``AllBlocksCleared`` goes out with the
+        next step's batch, as vLLM's does."""
+        return self.kv.reset_prefix_cache(reset_external)
 
     # ---- metrics --------------------------------------------------------------------
 

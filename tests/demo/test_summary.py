@@ -90,7 +90,14 @@ def test_workload_is_deterministic_in_the_seed_and_shares_system_prompts():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"policies": ("nope",)}, {"index": "mysql://x"}, {"profile": "moe"}, {"engines": 0}],
+    [
+        {"policies": ("nope",)},
+        {"index": "mysql://x"},
+        {"profile": "moe"},
+        {"engines": 0},
+        {"cpu_offload": True},  # vLLM's connector: only with --engine vllm
+        {"cpu_offload": True, "engine": "vllm", "cpu_blocks": 0},
+    ],
 )
 def test_demo_config_rejects_settings_it_cannot_run(kwargs):
     with pytest.raises(ValueError):

@@ -184,8 +184,12 @@ def test_store_copy_finishes_before_its_source_block_is_reused(monkeypatch) -> N
     compute.run(c)
     kv.free(c)
     again = kv.new_request("a2", prompt)
+    # a's chunks are still in flight (no step has ended since): a hit that must wait.
+    assert kv.lookup(again) == (0, 128) and kv.cpu_hit_must_wait(again, 0, 128)
+    kv.flush()
+    kv.step_events()
     gpu, cpu = kv.lookup(again)
-    assert (gpu, cpu) == (0, 128)
+    assert (gpu, cpu) == (0, 128) and not kv.cpu_hit_must_wait(again, gpu, cpu)
     assert kv.allocate_slots(again, 1, gpu, cpu)
     compute.verify_prefix(again, 128)
     assert compute.checked == 8

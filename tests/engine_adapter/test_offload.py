@@ -9,7 +9,6 @@ from ea_helpers import EventState, admit, decode, events_of, opening, prefill, t
 
 from engine_adapter.kv_cache_manager import KVCacheManager
 from engine_adapter.offload import OffloadConfig
-from engine_adapter.offload.lookup import touch_keys
 from engine_adapter.profiles import get_profile
 from engine_adapter.request import Request
 from events.offload_hit import offload_hit
@@ -87,31 +86,38 @@ def expected_hit(kv: KVCacheManager, state: EventState, req) -> tuple[int, int]:
     )
 
 
-def test_cpu_events_published_only_after_copy_completes() -> None:
+def test_cpu_events_come_the_step_after_the_store_and_describe_full_attention_only() -> None:
+    # vLLM: the worker submits a store at the next step's start, so its BlockStored is in
+    # the next step's batch; self-describing payloads only for full attention
+    # (OffloadingEventsTracker.record_store), placeholders for window groups.
     kv = make_kv("swa-hybrid")
     rng = random.Random(0)
-    hold = True
-    real_is_done = kv.offload.transfer.is_done
-    kv.offload.transfer.is_done = lambda job: not hold and real_is_done(job)
     req = kv.new_request("r", tokens(rng, 128 + 5))
     admit(kv, req)
     first = events_of(kv.step_events())
-    assert cpu_events(first) == [] and first  # GPU events only: copies not observed yet
+    assert cpu_events(first) == [] and first  # GPU events only: copies in flight
     assert not any(m == MEDIUM_CPU for (_, _, m) in kv.residency())
-    hold = False
-    kv.flush()
     stored = cpu_events(events_of(kv.step_events()))
+    w = req.wire_hashes
+    # Window group: only the chunk before the replay boundary (132 -> 128) is reachable.
     assert [(e.group_idx, e.block_hashes) for e in stored] == [
-        (g, req.wire_hashes[c * 4 : c * 4 + 4]) for g in (0, 1) for c in (0, 1)
+        (0, w[0:4]),
+        (0, w[4:8]),
+        (1, [w[7]]),
     ]
     ev = stored[1]
     assert isinstance(ev, BlockStored)
-    assert ev.parent_block_hash == req.wire_hashes[3]
+    assert ev.parent_block_hash == w[3]
     assert ev.token_ids == req.all_token_ids[64:128]
     assert ev.block_size == BS and ev.extra_keys is None
     assert ev.kv_cache_spec_kind == "full_attention"
-    assert stored[2].kv_cache_spec_kind == "sliding_window"
-    assert stored[2].kv_cache_spec_sliding_window == 64
+    placeholder = stored[2]
+    assert (placeholder.token_ids, placeholder.block_size, placeholder.parent_block_hash) == (
+        [],
+        0,
+        None,
+    )
+    assert placeholder.kv_cache_spec_kind is None
     kv.close()
 
 
@@ -202,26 +208,23 @@ def test_full_attention_cpu_hit_may_cover_the_whole_prompt() -> None:
     kv.close()
 
 
-def test_swa_cpu_lookup_needs_only_the_last_window_of_chunks() -> None:
+def test_swa_stores_only_reachable_window_chunks_and_lookup_follows_the_rule() -> None:
+    # vLLM's _reachable_store_block_mask: a window group offers only the chunks holding the
+    # window before the replay boundary (319 -> 256: blocks 12..15, chunk 3).
     kv = make_kv("swa-hybrid", num_blocks=49, chunks=64)  # 48 usable + the null block
     state, rng, a = offloaded(kv, 4, 320)
-    prompt = a.prompt_token_ids
-    # Drop the SWA group's early chunks 0..2 from the CPU tier (as evictions would).
-    off = kv.offload
-    victims = []
-    for c in range(3):
-        key = (a.block_hashes[c * 4 + 3], 1)
-        victims.append((key, off.policy.get(key)))
-        off.policy.remove(key)
-    off._drop(victims)
+    swa_cpu = {h for (g, h, m) in kv.residency() if m == MEDIUM_CPU and g == 1}
+    assert swa_cpu == {a.wire_hashes[15]}
+    full_cpu = {h for (g, h, m) in kv.residency() if m == MEDIUM_CPU and g == 0}
+    assert full_cpu == set(a.wire_hashes[:20])  # self-describing: every block named
     evict_gpu(kv, rng, 48 * BS // 2, state)  # recycle every GPU block
-    probe = kv.new_request("p", [*prompt, 9])
+    probe = kv.new_request("p", [*a.prompt_token_ids[:256], 9])
     assert kv.get_computed_blocks(probe) == 0
-    assert kv.lookup(probe) == (0, 320) == expected_hit(kv, state, probe)
-    assert kv.allocate_slots(probe, 1, 0, 320)
+    assert kv.lookup(probe) == (0, 256) == expected_hit(kv, state, probe)
+    assert kv.allocate_slots(probe, 1, 0, 256)
     swa = kv.get_block_ids(probe)[1]
-    # Only the window before 320 is loaded: cdiv(63, 16) = 4 blocks (chunk 4)
-    assert [i for i, b in enumerate(swa) if b is not None] == [16, 17, 18, 19, 20]
+    # Only the window before 256 is loaded: cdiv(63, 16) = 4 blocks (chunk 3)
+    assert [i for i, b in enumerate(swa) if b is not None] == [12, 13, 14, 15, 16]
     kv.close()
 
 
@@ -233,10 +236,10 @@ def test_cpu_removed_events_fan_out_to_the_stored_hashes() -> None:
     stored = cpu_events(end_step(kv))
     assert [e.block_hashes for e in stored] == [a.wire_hashes[0:4], a.wire_hashes[4:8]]
     b = kv.new_request("b", tokens(rng, 128))
-    admit(kv, b)  # needs both CPU slots: a's chunks go, tail chunk first
+    admit(kv, b)  # needs both CPU slots: a's chunks go, in the order they were stored
     removed = [e for e in end_step(kv) if isinstance(e, BlockRemoved)]
     assert [(e.group_idx, e.medium, e.block_hashes) for e in removed] == [
-        (0, MEDIUM_CPU, a.wire_hashes[4:8] + a.wire_hashes[0:4])
+        (0, MEDIUM_CPU, a.wire_hashes[0:4] + a.wire_hashes[4:8])
     ]
     assert {h for (_, h, m) in kv.residency() if m == MEDIUM_CPU} == set(b.wire_hashes[:8])
     kv.close()
@@ -251,18 +254,20 @@ def test_placeholder_mode_emits_vllm_legacy_cpu_events() -> None:
     events = end_step(kv)
     state.apply(events)
     stored = cpu_events(events)
+    # The window group's only chunk ends at the replay boundary (63 -> 0): unreachable.
     assert [
         (e.group_idx, e.block_hashes, e.token_ids, e.block_size, e.parent_block_hash)
         for e in stored
-    ] == [(g, [a.wire_hashes[3]], [], 0, None) for g in (0, 1)]
+    ] == [(0, [a.wire_hashes[3]], [], 0, None)]
     b = kv.new_request("b", tokens(rng, 64))
-    admit(kv, b)  # its store evicts a's chunk in both groups
+    admit(kv, b)
+    c = kv.new_request("c", tokens(rng, 64))
+    admit(kv, c)  # two slots: c's store evicts a's chunk
     events = end_step(kv)
     state.apply(events)
     removed = [e for e in events if isinstance(e, BlockRemoved)]
     assert sorted((e.group_idx, e.block_hashes, e.medium) for e in removed) == [
         (0, [a.wire_hashes[3]], MEDIUM_CPU),
-        (1, [a.wire_hashes[3]], MEDIUM_CPU),
     ]
     assert state.counts == kv.residency()
     kv.close()
@@ -297,48 +302,47 @@ def test_decode_chunks_offloaded_only_when_not_prompt_only(prompt_only: bool) ->
     kv.close()
 
 
-def test_reset_prefix_cache_clears_the_cpu_tier_too() -> None:
-    kv = make_kv("mamba-hybrid")
+def test_reset_prefix_cache_keeps_the_cpu_tier_unless_reset_external() -> None:
+    # vLLM: POST /reset_prefix_cache clears the GPU (AllBlocksCleared) and the CPU tier keeps
+    # serving hits; ?reset_external=true empties the CPU tier too, with no event of its own.
+    kv = make_kv("full")
     state = EventState()
     rng = random.Random(9)
     a = kv.new_request("a", tokens(rng, 128))
     prefill(kv, a, state)
     kv.free(a)
-    assert kv.reset_prefix_cache()
-    events = events_of(kv.step_events())
-    state.apply(events)
-    assert isinstance(events[-1], AllBlocksCleared)
-    assert not kv.residency() and not state.counts
-    assert kv.lookup(kv.new_request("b", a.all_token_ids)) == (0, 0)
-    kv.close()
-
-
-def test_lookup_touches_whole_prefix_for_full_and_last_window_for_swa() -> None:
-    kv = make_kv("swa-hybrid")
-    req = kv.new_request("r", tokens(random.Random(10), 330))  # 5 whole chunks
-    keys = touch_keys(kv.specs, req, 4)
-    full = [(req.block_hashes[c * 4 + 3], 0) for c in range(5)]
-    swa = [(req.block_hashes[4 * 4 + 3], 1)]  # window 64 tokens = 1 chunk
-    assert keys == full + swa
-    kv.close()
-
-
-def test_lookup_recency_protects_a_touched_prefix_from_eviction() -> None:
-    kv = make_kv("full", chunks=4)
-    state = EventState()
-    rng = random.Random(11)
-    a = kv.new_request("a", tokens(rng, 128))
-    b = kv.new_request("b", tokens(rng, 128))
-    for r in (a, b):
-        prefill(kv, r, state)
-        kv.free(r)
-        kv.flush()
-        state.apply_batch(kv.step_events())
-    kv.lookup(kv.new_request("a2", a.all_token_ids))  # touch: a becomes most recent
-    c = kv.new_request("c", tokens(rng, 128))
-    prefill(kv, c, state)
     kv.flush()
     state.apply_batch(kv.step_events())
-    assert kv.offload.is_ready((a.block_hashes[7], 0))
-    assert not kv.offload.is_ready((b.block_hashes[7], 0))
+    assert kv.reset_prefix_cache()
+    events = events_of(kv.step_events())
+    assert [type(e) for e in events] == [AllBlocksCleared]
+    assert {m for (_, _, m) in kv.residency()} == {MEDIUM_CPU}
+    assert kv.lookup(kv.new_request("b", a.all_token_ids)) == (0, 128)
+    assert kv.reset_prefix_cache(reset_external=True)
+    assert [type(e) for e in events_of(kv.step_events())] == [AllBlocksCleared]
+    assert not kv.residency()
+    assert kv.lookup(kv.new_request("c", a.all_token_ids)) == (0, 0)
     kv.close()
+
+
+def test_lookup_is_a_pure_read_and_a_finished_request_reranks_its_prefix() -> None:
+    # vLLM: CPUOffloadingManager.lookup changes nothing; on_request_finished re-ranks the
+    # chunks a request stored or reused, so its prefix is evicted last.
+    for run_it in (False, True):
+        kv = make_kv("full", chunks=4)
+        state = EventState()
+        rng = random.Random(11)
+        a = kv.new_request("a", tokens(rng, 128))
+        b = kv.new_request("b", tokens(rng, 128))
+        for r in (a, b):
+            prefill_and_free(kv, r, state)
+        a2 = kv.new_request("a2", a.all_token_ids)
+        if run_it:
+            prefill_and_free(kv, a2, state)  # GPU hit; its chunks are re-offered: reused
+        else:
+            kv.lookup(a2)  # a lookup alone: no recency change
+        c = kv.new_request("c", tokens(rng, 128))
+        prefill_and_free(kv, c, state)
+        assert kv.offload.is_ready((a.block_hashes[7], 0)) is run_it
+        assert kv.offload.is_ready((b.block_hashes[7], 0)) is not run_it
+        kv.close()

@@ -32,39 +32,44 @@ def test_lru_eviction_is_all_or_nothing() -> None:
     assert len(lru) == 2
 
 
-def test_lru_touch_makes_a_prefix_head_most_recent() -> None:
+def test_lru_finished_request_makes_its_prefix_head_most_recent() -> None:
+    # vLLM's LRUCachePolicy.on_request_finished: re-ranked from the tail, head last.
     lru = LRUPolicy(8)
     for key in "abcd":
         lru.insert(key, ready(0))
-    lru.touch(["c", "d"])  # walked in reverse: c ends most recent
+    lru.on_request_finished(["c", "d", "x"], {"c"}, {"d"})  # x: not cached, ignored
+    assert [k for k, _ in lru.items()] == ["a", "b", "d", "c"]
+    lru.on_store_miss(["a"])  # LRU: no effect
     assert [k for k, _ in lru.items()] == ["a", "b", "d", "c"]
 
 
-def test_arc_promotes_ready_chunks_on_second_use() -> None:
+def test_arc_promotes_reused_chunks_only_when_their_request_finishes() -> None:
+    # vLLM's ARCCachePolicy.on_request_finished: a reuse is a second access; a chunk the
+    # request only inserted stays in T1 (moved to its MRU end).
     arc = ARCPolicy(4)
     arc.insert("a", ready(0))
-    pending = Chunk(1)  # store not finished: a touch is not a second use
-    arc.insert("b", pending)
-    arc.touch(["a", "b"])
-    assert "a" in arc.t2 and "b" in arc.t1
+    arc.insert("b", ready(1))
+    arc.insert("c", ready(2))
+    arc.on_request_finished(["a", "b"], inserted_only={"a"}, reused={"b"})
+    assert list(arc.t1) == ["c", "a"] and list(arc.t2) == ["b"]
 
 
 def test_arc_evicts_from_t1_to_b1_and_adapts_on_ghost_hits() -> None:
     arc = ARCPolicy(2)
     arc.insert("a", ready(0))
     arc.insert("b", ready(1))
-    arc.touch(["b"])  # b -> T2
+    arc.on_request_finished(["b"], set(), {"b"})  # b -> T2
     victims = arc.evict(1, protected=set())
     assert [k for k, _ in victims] == ["a"] and "a" in arc.b1
     assert arc.target_t1_size == 0
-    arc.touch(["a"])  # ghost hit in B1: favour recency
+    arc.on_store_miss(["a"])  # ghost hit in B1: favour recency
     assert arc.target_t1_size == 1
     arc.insert("a", ready(0))
     assert "a" in arc.t1 and "a" not in arc.b1
     # |T1| = 1 >= target 1: evict from T1 again; then T2 once T1 is below target.
     assert [k for k, _ in arc.evict(1, protected=set())] == ["a"]
     assert [k for k, _ in arc.evict(1, protected=set())] == ["b"] and "b" in arc.b2
-    arc.touch(["b"])  # ghost hit in B2: favour frequency
+    arc.on_store_miss(["b"])  # ghost hit in B2: favour frequency
     assert arc.target_t1_size == 0
 
 

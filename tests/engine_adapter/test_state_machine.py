@@ -79,6 +79,10 @@ class EngineMachine(RuleBasedStateMachine):
         want_gpu = longest_cache_hit(kv.specs, gpu_pred, req.num_tokens - 1)
         assert kv.get_computed_blocks(req) == want_gpu
         got = kv.lookup(req)
+        if kv.cpu_hit_must_wait(req, *got):
+            # The hit reads chunks still being copied (not announced yet): vLLM defers the
+            # request until they are; only the GPU part is comparable now.
+            return got[0], -1
         want = offload_hit(
             kv.specs, gpu_pred, state.pred(req, MEDIUM_CPU), req.num_tokens, kv.tokens_per_chunk
         )
@@ -89,8 +93,8 @@ class EngineMachine(RuleBasedStateMachine):
     def prompt(self, prefix: int, suffix: list[int]) -> list[int]:
         return [*self.prefixes[prefix], *suffix]
 
-    def drop(self, req: Request) -> None:
-        self.kv.free(req)
+    def drop(self, req: Request, *, finished: bool = True) -> None:
+        self.kv.free(req, finished=finished)
         self.running.pop(req.request_id, None)
 
     # ---- rules ----------------------------------------------------------------------------
@@ -111,6 +115,9 @@ class EngineMachine(RuleBasedStateMachine):
         req = self.kv.new_request(f"r{self.next_id}", prompt)
         self.next_id += 1
         gpu, cpu = self.check_hit(req)
+        if cpu < 0:  # waits for copies in flight
+            self.end_step()
+            return
         start = min(gpu + cpu, req.num_tokens - 1)
         n = min(chunk, req.num_tokens - start)
         if self.kv.allocate_slots(req, n, gpu, cpu):
@@ -132,7 +139,7 @@ class EngineMachine(RuleBasedStateMachine):
             req.append_output_token_ids(token)
             n = 1
         if not self.kv.allocate_slots(req, n):
-            self.drop(req)  # preempted
+            self.drop(req, finished=False)  # preempted
         self.end_step()
 
     @precondition(lambda self: self.running)
@@ -151,9 +158,12 @@ class EngineMachine(RuleBasedStateMachine):
         self.kv.flush()
         self.end_step()
 
+    @precondition(lambda self: not self.running)
     @rule()
     def reset_prefix_cache(self) -> None:
-        assert self.kv.reset_prefix_cache() == (not self.running)
+        # reset_external: consumers forget every tier on AllBlocksCleared, so the CPU tier
+        # must go too for events to keep describing the cache.
+        assert self.kv.reset_prefix_cache(reset_external=True)
         self.end_step()
 
     # ---- invariants -----------------------------------------------------------------------

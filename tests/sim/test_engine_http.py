@@ -211,7 +211,10 @@ async def test_gpu_overflow_spills_to_cpu_and_later_hits_cpu(tmp_path):
     finally:
         assert eng.stop() == 0
     cpu_events = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
-    assert cpu_events and all(e.block_size == 16 and e.token_ids for e in cpu_events)
+    # vLLM's default payload: a placeholder naming the chunk's last hash.
+    assert cpu_events and all(
+        e.block_size == 0 and not e.token_ids and len(e.block_hashes) == 1 for e in cpu_events
+    )
     assert again["usage"]["kv_hit"]["cpu_tokens"] > 0
     assert "Application shutdown complete" in eng.log.read_text()
 
