@@ -18,27 +18,19 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
+from router.config import SessionSettings
 from router.policy import Decision
 
 __all__ = ["AffinityConfig", "SessionAffinity"]
 
 
-@dataclass(frozen=True, slots=True)
-class AffinityConfig:
-    header: str | None = None  # e.g. "x-session-id"; None: no header
-    user_field: bool = False  # fall back to the body's OpenAI ``user`` field
-    max_extra_ttft_s: float = 0.05
-    max_sessions: int = 100_000
-    ttl_s: float = 3600.0
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.header) or self.user_field
+# Its settings (defaults and bounds: ``router.config.SessionSettings``).
+AffinityConfig = SessionSettings
 
 
 class SessionAffinity:

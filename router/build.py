@@ -16,18 +16,13 @@ from router.index.base import BlockIndex
 from router.index.instrumented import IndexMetrics, InstrumentedIndex
 from router.layout import LayoutRegistry
 from router.metrics import RouterMetrics
-from router.policy import CostPolicy, CostRates, Policy, make_policy
+from router.policy import CostPolicy, Policy, make_policy
 from router.pressure import EvictionTracker
 from router.score import Scorer
 from router.speculative import SpeculativeResidency
 from router.tokenize import RoutingTokenizer
 
-__all__ = ["build_router", "instrument", "policy_rates"]
-
-
-def policy_rates(settings: RouterSettings) -> CostRates:
-    s = settings
-    return CostRates(s.prefill_s_per_token, s.load_s_per_token, s.request_overhead_s)
+__all__ = ["build_router", "instrument"]
 
 
 def instrument(index: BlockIndex, metrics: RouterMetrics) -> BlockIndex:
@@ -60,9 +55,9 @@ def build_router(
     metrics = metrics or RouterMetrics()
     index = instrument(index, metrics)
     speculative = (
-        SpeculativeResidency(settings.speculative_ttl_s)
+        SpeculativeResidency(settings.speculative.ttl_s)
         if clock is None
-        else SpeculativeResidency(settings.speculative_ttl_s, clock=clock)
+        else SpeculativeResidency(settings.speculative.ttl_s, clock=clock)
     )
     router = Router(
         registry=registry,
@@ -73,9 +68,7 @@ def build_router(
         ),
         index=index,
         policy=policy
-        or make_policy(
-            settings.policy, temperature=settings.temperature, rates=policy_rates(settings)
-        ),
+        or make_policy(settings.policy, temperature=settings.temperature, settings=settings.cost),
         tokenizer=tokenizer or RoutingTokenizer(settings.tokenizer),
         speculative=speculative,
         metrics=metrics,
@@ -84,8 +77,9 @@ def build_router(
         seed=settings.seed,
         affinity=affinity,
     )
-    if settings.eviction_window_s > 0 and isinstance(router.policy, CostPolicy):
-        evictions = EvictionTracker(settings.eviction_window_s, clock or time.monotonic)
+    window_s = settings.eviction.window_s
+    if window_s > 0 and isinstance(router.policy, CostPolicy):
+        evictions = EvictionTracker(window_s, clock or time.monotonic)
         router.evictions, router.policy.roomy = evictions, evictions.roomy
     layouts.on_change = router.relayout
     return router

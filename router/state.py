@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 
 from events.hashing import native_hashing
-from router.admission import AdmissionConfig, AdmissionController
-from router.affinity import AffinityConfig, SessionAffinity
+from router.admission import AdmissionController
+from router.affinity import SessionAffinity
 from router.build import build_router, instrument
 from router.config import InstanceSpec, RouterSettings, parse_instance, rank_specs
 from router.decide import RouteDecision
@@ -49,7 +49,9 @@ class RouterState:
         self.settings = s = settings
         self.metrics = RouterMetrics()
         self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(s.request_timeout_s, connect=s.connect_timeout_s),
+            timeout=httpx.Timeout(
+                s.upstream.request_timeout_s, connect=s.upstream.connect_timeout_s
+            ),
             # Drop idle connections before the engines do (uvicorn, hence vLLM, closes them
             # after 5 s, httpx's default expiry too): reusing one the engine is closing
             # fails a forward and counts against the instance's health.
@@ -60,21 +62,19 @@ class RouterState:
         redis_opts: dict[str, Any] = {}
         if s.index.startswith(("redis://", "rediss://", "unix://")):
             redis_opts = {"model": s.model, "hash_algo": s.hash_algo, "hash_seed": s.seed}
-            if s.redis_block_ttl_s:
-                redis_opts["block_ttl_s"] = s.redis_block_ttl_s
+            if s.redis.block_ttl_s:
+                redis_opts["block_ttl_s"] = s.redis.block_ttl_s
         self.index = instrument(open_index(s.index, **redis_opts), self.metrics)
         self.layouts = LayoutRegistry(default=parse_layout(s.default_layout, s.block_size))
         self.ingest = IngestManager(self.index, self.layouts, registry=self.metrics.registry)
         self.registry = InstanceRegistry(
             self.client,
-            **s.section("health"),
+            **s.health.model_dump(),
             read_metrics=s.engine_metrics,
             on_change=self._health_changed,
             on_block_size=self.layouts.hint_block_size,
         )
-        self.affinity = SessionAffinity(
-            AffinityConfig(**s.section("session")), self.metrics.registry
-        )
+        self.affinity = SessionAffinity(s.session, self.metrics.registry)
         self.router = build_router(
             s,
             index=self.index,
@@ -90,22 +90,21 @@ class RouterState:
         self.ingest.on_applied = self.speculative.flush
         if self.router.evictions is not None:
             self.ingest.on_batch = self.router.evictions.observe
-        self.admission = AdmissionController(
-            AdmissionConfig(**s.section("admission")), self.metrics.registry
-        )
+        self.admission = AdmissionController(s.admission, self.metrics.registry)
         self.registry.on_probed = self.admission.notify
-        self.models = ModelRegistry(self.client, s.health_timeout_s)
+        self.models = ModelRegistry(self.client, s.health.timeout_s)
         self.registry.on_up = self.models.refresh
         self.forwarder = Forwarder(
             self.registry,
             self.policy,
             self.metrics,
-            max_retries=s.max_retries,
+            max_retries=s.upstream.max_retries,
             on_routed=self._routed,
             on_done=self._done,
         )
         self.forwarder.pool = UpstreamPool(
-            connect_timeout_s=s.connect_timeout_s, request_timeout_s=s.request_timeout_s
+            connect_timeout_s=s.upstream.connect_timeout_s,
+            request_timeout_s=s.upstream.request_timeout_s,
         )
         self._layout_task: asyncio.Task[None] | None = None
 

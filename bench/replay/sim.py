@@ -153,7 +153,7 @@ def sim_policy(
     if name.startswith("model:"):
         return make_peer_model(name.split(":", 1)[1])
     if name in ("cost", "prefix_full_only"):
-        return make_policy(name, temperature=temperature, rates=rates, clock=clock, rng=rng)
+        return make_policy(name, temperature=temperature, settings=rates, clock=clock, rng=rng)
     if name == "least_loaded":
         return LeastLoadedPolicy(rng)
     return make_policy(name)
@@ -173,7 +173,11 @@ async def _simulate(
     feeds = {n: _IndexFeed(n, index, layouts) for n in names}
     cores = {n: build_core(cfg, feeds[n]) for n in names}
     insts = {n: Instance(InstanceSpec(n)) for n in names}
-    rates = CostRates(rs.prefill_s_per_token, rs.load_s_per_token, rs.request_overhead_s)
+    rates = CostRates(
+        prefill_s_per_token=rs.prefill_s_per_token,
+        load_s_per_token=rs.load_s_per_token,
+        request_overhead_s=rs.request_overhead_s,
+    )
     settings = RouterSettings(
         # Peer models are scored by the cost policy's machinery, full-attention-only for
         # vLLM-router's (it scores group 0 only); the policy itself is the model.
