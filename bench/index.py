@@ -40,9 +40,9 @@ from typing import Any
 
 from events.groups import FullAttentionSpec, SlidingWindowSpec
 from events.structs import BlockRemoved, BlockStored, KVEventBatch
+from router.decision.layout import InstanceLayout, LayoutRegistry
+from router.decision.score import Scorer
 from router.index.memory import MemoryIndex
-from router.layout import InstanceLayout, LayoutRegistry
-from router.score import Scorer
 
 __all__ = ["ingest_workload", "run"]
 

@@ -22,7 +22,7 @@ def _run(given: dict[str, Any], config: Path | None) -> None:
     from pydantic import ValidationError
 
     from router.config import load_settings
-    from router.server import serve
+    from router.http.server import serve
     from router.state import parse_layout
 
     try:

@@ -21,7 +21,7 @@ from kvroute_cli.options import fields_from
 
 
 def _parse_policies(text: str) -> tuple[str, ...]:
-    from router.policy import POLICIES as POLICY_NAMES  # stdlib-only module: cheap
+    from router.decision.policy.cost import POLICIES as POLICY_NAMES  # stdlib-only module: cheap
 
     names = (
         POLICY_NAMES

@@ -9,18 +9,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from router.affinity import SessionAffinity
 from router.config import RouterSettings
-from router.decide import Router
+from router.decision.decide import Router
+from router.decision.layout import LayoutRegistry
+from router.decision.policy.cost import CostPolicy, Policy, make_policy
+from router.decision.score import Scorer
+from router.decision.tokenize import RoutingTokenizer
+from router.fleet.affinity import SessionAffinity
 from router.index.base import BlockIndex
 from router.index.instrumented import IndexMetrics, InstrumentedIndex
-from router.layout import LayoutRegistry
 from router.metrics import RouterMetrics
-from router.policy import CostPolicy, Policy, make_policy
-from router.pressure import EvictionTracker
-from router.score import Scorer
-from router.speculative import SpeculativeResidency
-from router.tokenize import RoutingTokenizer
+from router.prediction.pressure import EvictionTracker
+from router.prediction.speculative import SpeculativeResidency
 
 __all__ = ["build_router", "instrument"]
 

@@ -10,20 +10,20 @@ from typing import Any
 import httpx
 
 from events.hashing import native_hashing
-from router.admission import AdmissionController
-from router.affinity import SessionAffinity
 from router.build import build_router, instrument
 from router.config import InstanceSpec, RouterSettings, parse_instance, rank_specs
-from router.decide import RouteDecision
+from router.decision.decide import RouteDecision
+from router.decision.layout import InstanceLayout, LayoutRegistry
+from router.decision.tokenize import RoutingTokenizer
+from router.fleet.admission import AdmissionController
+from router.fleet.affinity import SessionAffinity
+from router.fleet.instances import Instance, InstanceRegistry
+from router.fleet.models import ModelRegistry
+from router.http.forward import Forwarder
+from router.http.upstream import UpstreamPool
 from router.index import open_index
 from router.ingest import IngestManager
-from router.instances import Instance, InstanceRegistry
-from router.layout import InstanceLayout, LayoutRegistry
 from router.metrics import RouterMetrics
-from router.models import ModelRegistry
-from router.proxy import Forwarder
-from router.tokenize import RoutingTokenizer
-from router.upstream import UpstreamPool
 
 __all__ = ["RouterState", "parse_layout"]
 

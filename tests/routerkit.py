@@ -15,7 +15,7 @@ import pytest
 
 from events.structs import BlockRemoved, BlockStored, KVEventBatch
 from router.config import InstanceSpec
-from router.instances import Instance
+from router.fleet.instances import Instance
 from stack.procs import free_port
 
 __all__ = [

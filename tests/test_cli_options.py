@@ -50,7 +50,7 @@ def test_engine_flags_reach_engine_settings(monkeypatch):
 
 
 def test_router_flags_reach_router_settings_and_bad_ones_are_refused(monkeypatch):
-    import router.server as server
+    import router.http.server as server
 
     seen = []
     monkeypatch.setattr(server, "serve", seen.append)

@@ -23,7 +23,7 @@ from http import HTTPStatus
 import uvloop
 
 from bench.replay.upstream import RequestProtocol
-from router.upstream import UpstreamError, UpstreamPool
+from router.http.upstream import UpstreamError, UpstreamPool
 
 log = logging.getLogger(__name__)
 

@@ -30,11 +30,11 @@ from events.hashing import hash_request_blocks, wire_hash
 from events.structs import BlockStored, KVEventBatch
 from router.build import build_router
 from router.config import InstanceSpec, RouterSettings
+from router.decision.layout import InstanceLayout, LayoutRegistry
+from router.decision.policy.cost import Candidate
+from router.decision.prompt_hashes import PromptHashes
+from router.fleet.instances import Instance
 from router.index.memory import MemoryIndex
-from router.instances import Instance
-from router.layout import InstanceLayout, LayoutRegistry
-from router.policy import Candidate
-from router.prompt_hashes import PromptHashes
 
 __all__ = ["decision_time", "proxy_overhead", "run_overhead"]
 

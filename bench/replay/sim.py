@@ -38,10 +38,10 @@ from events.publisher import EventPublisher
 from events.structs import KVEventBatch
 from router.build import build_router
 from router.config import InstanceSpec, RouterSettings
+from router.decision.layout import InstanceLayout, LayoutRegistry
+from router.decision.policy.cost import CostRates, LeastLoadedPolicy, Policy, make_policy
+from router.fleet.instances import Instance
 from router.index.memory import MemoryIndex
-from router.instances import Instance
-from router.layout import InstanceLayout, LayoutRegistry
-from router.policy import CostRates, LeastLoadedPolicy, Policy, make_policy
 
 __all__ = ["SimResult", "SimRouterSettings", "run_sim"]
 

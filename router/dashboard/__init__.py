@@ -32,7 +32,7 @@ from router.dashboard.snapshot import Recorded, build_snapshot
 from router.dashboard.view import SECTIONS, build_view, render_cards, render_table
 
 if TYPE_CHECKING:
-    from router.decide import RouteDecision
+    from router.decision.decide import RouteDecision
     from router.state import RouterState
 
 __all__ = ["Dashboard", "mount_dashboard"]

@@ -22,7 +22,7 @@ from router.index.base import group_tier
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from router.decide import RouteDecision
+    from router.decision.decide import RouteDecision
     from router.state import RouterState
 
 __all__ = ["Recorded", "Samples", "build_snapshot", "summarize_decision"]

@@ -13,12 +13,12 @@ from prometheus_client import CollectorRegistry
 
 from events.structs import KVEventBatch
 from events.subscriber import BatchesMissed, BatchReceived, SourceRestarted, SubscriberItem
+from router.decision.layout import InstanceLayout, LayoutRegistry
 from router.index.base import BlockIndex
 from router.ingest.ahead import ReadAhead
 from router.ingest.checks import impossible, plausible_ts
 from router.ingest.metrics import IngestMetrics
 from router.ingest.sources import EventSource, Feed, InstanceSource, SourceFactory
-from router.layout import InstanceLayout, LayoutRegistry
 
 # The name it always had (``router.ingest``): log filters and levels keep working.
 log = logging.getLogger("router.ingest")

@@ -67,7 +67,7 @@ async def _run_all(
             results.append(await engine_kill(fleet, requests=kill_requests))
     if want("events"):
         for buffer_steps in (10_000, 8):
-            with _quiet("events.subscriber", "router.ingest", "router.layout"):
+            with _quiet("events.subscriber", "router.ingest", "router.decision.layout"):
                 results.append(await dropped_events(drop=20, buffer_steps=buffer_steps, seed=seed))
     if want("redis"):
         with Fleet(workdir / "redis") as fleet:
@@ -76,7 +76,7 @@ async def _run_all(
         hyp = hypothesis_payloads(hypothesis_examples, seed) if hypothesis_examples else []
         payloads = hyp + random_payloads(fuzz_payloads - len(hyp), seed)
         tcp_n = min(1000, len(payloads) // 10)
-        with _quiet("events.subscriber", "router.ingest", "router.layout"):
+        with _quiet("events.subscriber", "router.ingest", "router.decision.layout"):
             inproc = await fuzz_events(payloads[tcp_n:], transport="inproc")
             tcp = await fuzz_events(payloads[:tcp_n], transport="tcp")
         results.append(MsgpackFuzzRun(len(hyp), inproc, tcp))

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from router.policy import POLICIES
+from router.decision.policy.cost import POLICIES
 
 logger = logging.getLogger("stack.demo")
 

@@ -79,7 +79,7 @@ def local_parsed(local: dict[str, Any]) -> dict[str, Parsed]:
 def _parse(compose: dict[str, Any]) -> dict[str, Parsed]:
     """Run each of our services' command through the CLI with ``serve`` recorded."""
     import engine_adapter.sim.server as engine_server
-    import router.server as router_server
+    import router.http.server as router_server
     from kvroute_cli.main import app
 
     mp = pytest.MonkeyPatch()

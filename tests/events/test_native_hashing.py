@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from events import hashing
 from events.hashing import block_extra_keys, chain_digests, hash_request_blocks, none_hash
-from router.prompt_hashes import PromptHashes
+from router.decision.prompt_hashes import PromptHashes
 
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE_ALGOS = ("sha256_cbor", "sha256")

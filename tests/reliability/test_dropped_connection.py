@@ -9,8 +9,8 @@ import json
 import httpx
 from routerkit import ScriptedUpstream
 
-from router.app import create_app
 from router.config import RouterSettings
+from router.http.app import create_app
 from router.state import RouterState
 
 ANSWER = {

@@ -14,11 +14,11 @@ import pytest
 import redis
 import redis.asyncio.connection as rconn
 
-import router.app
+import router.http.app
 from engine_adapter.sim.server import EngineSettings
 from events.structs import BlockStored, KVEventBatch
-from router.app import create_app
 from router.config import RouterSettings
+from router.http.app import create_app
 from router.index import open_index
 from router.index.redis_index import RedisIndex
 from router.state import RouterState
@@ -56,7 +56,7 @@ async def test_admin_api_requires_the_token_compared_in_constant_time(monkeypatc
         compared.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(router.app.hmac, "compare_digest", spy)
+    monkeypatch.setattr(router.http.app.hmac, "compare_digest", spy)
     settings = RouterSettings(admin_token=TOKEN)
     wrong = (
         None,

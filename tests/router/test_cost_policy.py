@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from router.config import CostSettings
-from router.cost_model import Backlog, TtftFit
-from router.policy import Breakdown, Candidate, CostPolicy
+from router.decision.policy.cost import Breakdown, Candidate, CostPolicy
+from router.decision.policy.fit import Backlog, TtftFit
 
 
 class Clock:

@@ -16,9 +16,9 @@ from kvtest import engines, send_turns, start_router, wait_until
 
 from router.dashboard.snapshot import Recorded, summarize_decision
 from router.dashboard.view import render_cards, render_table
-from router.decide import RouteDecision
-from router.engine_metrics import parse_engine_metrics
-from router.policy import Breakdown, Candidate, Decision
+from router.decision.decide import RouteDecision
+from router.decision.policy.cost import Breakdown, Candidate, Decision
+from router.fleet.engine_metrics import parse_engine_metrics
 
 SWA = ("--profile", "swa-hybrid", "--time-scale", "20")
 REPO = Path(__file__).resolve().parents[2]
@@ -243,8 +243,8 @@ def test_page_names_every_instance_state_updates_and_decisions_explain(tmp_path)
 def test_kvroute_dashboard_false_serves_nothing(monkeypatch):
     from fastapi.testclient import TestClient
 
-    from router.app import create_app
     from router.config import RouterSettings
+    from router.http.app import create_app
     from router.state import RouterState
 
     monkeypatch.setenv("KVROUTE_DASHBOARD", "false")

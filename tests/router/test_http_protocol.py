@@ -16,7 +16,7 @@ import httpx
 import uvicorn
 from routerkit import eventually
 
-from router.http_protocol import HttpProtocol
+from router.http.protocol import HttpProtocol
 from stack.procs import free_port
 
 WRITES: list[bytes] = []

@@ -22,10 +22,10 @@ from routerkit import (
 from events.publisher import ZmqEventPublisher
 from events.structs import KVEventBatch
 from events.subscriber import BatchesMissed, BatchReceived, SourceRestarted
+from router.decision.layout import InstanceLayout, LayoutRegistry
 from router.index import MemoryIndex, Tier, slot_of
 from router.index.redis_index import RedisIndex
 from router.ingest import IngestManager, InstanceSource
-from router.layout import InstanceLayout, LayoutRegistry
 from stack.procs import private_redis
 
 G0, G1 = slot_of(0, Tier.GPU), slot_of(1, Tier.GPU)
@@ -106,7 +106,7 @@ async def test_batches_are_applied_in_order_and_counted_by_type_and_status():
 
 async def test_every_batch_reaches_the_eviction_tracker():
     """Memory pressure is read from ingest's batches (``router.pressure``)."""
-    from router.pressure import EvictionTracker
+    from router.prediction.pressure import EvictionTracker
 
     idx, reg = MemoryIndex(), CollectorRegistry()
     tracker = EvictionTracker(window_s=3600.0)

@@ -98,10 +98,10 @@ def test_each_settings_section_is_exactly_its_components_config():
     a parameter of its component or building the router fails here."""
     import httpx
 
-    from router.admission import AdmissionConfig
-    from router.affinity import AffinityConfig
     from router.config import RouterSettings
-    from router.instances import InstanceRegistry
+    from router.fleet.admission import AdmissionConfig
+    from router.fleet.affinity import AffinityConfig
+    from router.fleet.instances import InstanceRegistry
 
     s = RouterSettings(admission_timeout_s=3.0, session_header="x-s", health_failures=4)
     assert isinstance(s.admission, AdmissionConfig) and isinstance(s.session, AffinityConfig)

@@ -12,7 +12,7 @@ from pathlib import Path
 import tokkit
 from tokkit import BOS, b
 
-from router.tokenize import RoutingTokenizer
+from router.decision.tokenize import RoutingTokenizer
 
 USER = [{"role": "user", "content": "x"}]
 
@@ -43,7 +43,7 @@ async def test_the_hot_path_keeps_the_fields_that_change_the_ids(tmp_path: Path)
     ids must be among them, or a request routed through it is tokenized as if unset."""
     import json
 
-    from router.fastpath import parse_body
+    from router.http.fastpath import parse_body
 
     rt = RoutingTokenizer(str(tokkit.bos_postprocessor_dir(tmp_path)))
     head = [BOS, *b("[SYS] You are helpful.\n[USER] x\n")]

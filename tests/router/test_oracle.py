@@ -28,9 +28,9 @@ from engine_adapter.request import Request
 from events.hashing import hash_request_blocks, wire_hash
 from events.publisher import ZmqEventPublisher
 from events.structs import KVEventBatch
+from router.decision.layout import InstanceLayout, LayoutRegistry
+from router.decision.score import Score, Scorer
 from router.ingest import IngestManager
-from router.layout import InstanceLayout, LayoutRegistry
-from router.score import Score, Scorer
 
 BS, K, WINDOW = 16, 4, 64
 STEPS = 110

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from router.proxy import parse_usage
+from router.http.forward import parse_usage
 
 
 def _body(usage: object) -> bytes:

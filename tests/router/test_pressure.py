@@ -4,7 +4,7 @@ while; a CPU-tier removal, a store or silence does not."""
 from __future__ import annotations
 
 from events.structs import BlockRemoved, BlockStored, KVEventBatch
-from router.pressure import EvictionTracker
+from router.prediction.pressure import EvictionTracker
 
 
 class Clock:

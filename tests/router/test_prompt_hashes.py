@@ -7,7 +7,7 @@ import random
 import pytest
 
 from events.hashing import block_extra_keys, hash_request_blocks, wire_hashes
-from router.prompt_hashes import PromptHashes
+from router.decision.prompt_hashes import PromptHashes
 
 
 def _scratch(ids, size: int, algo: str, salt: str | None, seed: str | None = "s", lora=None):

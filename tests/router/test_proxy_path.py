@@ -9,12 +9,12 @@ import json
 import httpx
 from routerkit import ScriptedUpstream
 
-from router.app import create_app
 from router.build import build_router
 from router.config import RouterSettings
+from router.decision.layout import LayoutRegistry
+from router.http.app import create_app
 from router.index.instrumented import InstrumentedIndex
 from router.index.memory import MemoryIndex
-from router.layout import LayoutRegistry
 from router.state import RouterState
 
 _ANSWER = json.dumps(

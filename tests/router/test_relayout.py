@@ -15,8 +15,8 @@ from routerkit import StaticRegistry, batch, stored
 
 from router.build import build_router
 from router.config import RouterSettings
+from router.decision.layout import InstanceLayout, LayoutRegistry
 from router.index.memory import MemoryIndex
-from router.layout import InstanceLayout, LayoutRegistry
 
 BS = 32  # vLLM's CPU block size; the tiny Gemma-3-like model: 5 windows of 64 + full
 TURN = "".join(chr(65 + (i * 7) % 26) for i in range(1400))

@@ -9,9 +9,9 @@ from routerkit import ScriptedUpstream, StaticRegistry
 
 from router.build import build_router
 from router.config import RouterSettings
+from router.decision.layout import LayoutRegistry
+from router.decision.tokenize import RoutingTokenizer
 from router.index.memory import MemoryIndex
-from router.layout import LayoutRegistry
-from router.tokenize import RoutingTokenizer
 
 PROMPT = "a prompt long enough to hash a few blocks " * 8
 

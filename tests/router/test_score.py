@@ -16,9 +16,9 @@ from events.groups import (
 )
 from events.offload_hit import offload_hit
 from events.subscriber import BatchReceived
+from router.decision.layout import InstanceLayout, LayoutRegistry
+from router.decision.score import Score, Scorer, score_residency
 from router.index import Tier, slot_of
-from router.layout import InstanceLayout, LayoutRegistry
-from router.score import Score, Scorer, score_residency
 
 G0, G1 = slot_of(0, Tier.GPU), slot_of(1, Tier.GPU)
 C0, C1 = slot_of(0, Tier.CPU), slot_of(1, Tier.CPU)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from events.groups import FullAttentionSpec, MambaSpec, SlidingWindowSpec, hit_rule
 from events.retention import retained_prompt_blocks
-from router.layout import InstanceLayout, LayoutRegistry
-from router.speculative import SpeculativeResidency
+from router.decision.layout import InstanceLayout, LayoutRegistry
+from router.prediction.speculative import SpeculativeResidency
 
 BS = 32
 GEMMA = (SlidingWindowSpec(BS, 64),) * 5 + (FullAttentionSpec(BS),)

@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from router.index.base import Tier, slot_of
-from router.speculative import PyRefCounts, SpeculativeResidency, refcounts_type
+from router.prediction.speculative import PyRefCounts, SpeculativeResidency, refcounts_type
 
 BUILT = importlib.util.find_spec("router._refcounts") is not None
 TABLES = [PyRefCounts]

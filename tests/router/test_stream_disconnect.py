@@ -10,8 +10,8 @@ import json
 import uvicorn
 from routerkit import ScriptedUpstream, eventually
 
-from router.app import create_app
 from router.config import RouterSettings
+from router.http.app import create_app
 from router.state import RouterState
 from stack.procs import free_port
 

@@ -29,8 +29,8 @@ from typing import NamedTuple
 
 from events.groups import FullAttentionSpec, HitRule, hit_rule
 from events.offload_hit import OffloadRule, offload_rule
+from router.decision.layout import InstanceLayout, LayoutRegistry
 from router.index.base import NUM_TIERS, BlockIndex, Residency, Tier, to_wire
-from router.layout import InstanceLayout, LayoutRegistry
 
 __all__ = ["Score", "Scorer", "score_residency"]
 

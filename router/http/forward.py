@@ -27,11 +27,17 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from router.decide import RouteDecision
-from router.instances import Instance, InstanceRegistry
+from router.decision.decide import RouteDecision
+from router.decision.policy.cost import Policy
+from router.fleet.instances import Instance, InstanceRegistry
+from router.http.upstream import (
+    ConnectRefused,
+    Dropped,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+)
 from router.metrics import RouterMetrics
-from router.policy import Policy
-from router.upstream import ConnectRefused, Dropped, UpstreamError, UpstreamPool, UpstreamResponse
 
 __all__ = ["Forwarder", "Reply", "error_reply", "parse_usage", "request_headers"]
 

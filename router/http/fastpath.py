@@ -15,8 +15,8 @@ from typing import Any
 
 import msgspec
 
-from router.gate import route_request
-from router.proxy import Receive, Reply, Send, error_reply, request_headers
+from router.http.forward import Receive, Reply, Send, error_reply, request_headers
+from router.http.gate import route_request
 
 __all__ = ["ProxyEndpoints", "RoutingFields", "parse_body", "read_body"]
 

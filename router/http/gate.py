@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.admission import Rejected, rejected_reply
-from router.decide import RouteDecision
-from router.models import unknown_model_reply
-from router.proxy import Reply, error_reply
+from router.decision.decide import RouteDecision
+from router.fleet.admission import Rejected, rejected_reply
+from router.fleet.models import unknown_model_reply
+from router.http.forward import Reply, error_reply
 
 __all__ = ["HeaderView", "route_request"]
 

@@ -80,8 +80,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from router.config import POLICIES, CostSettings
-from router.cost_model import Backlog, TtftFit
-from router.policy_base import Breakdown, Candidate, CostRates, Decision, Policy
+from router.decision.policy.base import Breakdown, Candidate, CostRates, Decision, Policy
+from router.decision.policy.fit import Backlog, TtftFit
 
 __all__ = [
     "POLICIES",

@@ -16,16 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from events.retention import retained_prompt_blocks
-from router.affinity import SessionAffinity
+from router.decision.policy.cost import Candidate, Decision, Policy
+from router.decision.prompt_hashes import PromptHashes
+from router.decision.score import ZERO, Score, Scorer
+from router.decision.tokenize import RoutingTokenizer
+from router.fleet.affinity import SessionAffinity
+from router.fleet.instances import Instance, InstanceRegistry
 from router.index.base import BlockIndex, Tier, group_tier
-from router.instances import Instance, InstanceRegistry
 from router.metrics import RouterMetrics
-from router.policy import Candidate, Decision, Policy
-from router.pressure import EvictionTracker
-from router.prompt_hashes import PromptHashes
-from router.score import ZERO, Score, Scorer
-from router.speculative import Held, SpeculativeResidency
-from router.tokenize import RoutingTokenizer
+from router.prediction.pressure import EvictionTracker
+from router.prediction.speculative import Held, SpeculativeResidency
 
 __all__ = ["RouteDecision", "Router"]
 

@@ -12,9 +12,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.config import parse_instance
 from router.dashboard import mount_dashboard
-from router.fastpath import ProxyEndpoints, parse_body, read_body
-from router.gate import route_request
-from router.proxy import Reply
+from router.http.fastpath import ProxyEndpoints, parse_body, read_body
+from router.http.forward import Reply
+from router.http.gate import route_request
 from router.state import RouterState
 
 __all__ = ["create_app"]

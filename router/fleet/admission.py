@@ -30,8 +30,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from router.config import AdmissionSettings
-from router.instances import Instance
-from router.proxy import Reply
+from router.fleet.instances import Instance
+from router.http.forward import Reply
 
 __all__ = ["AdmissionConfig", "AdmissionController", "Rejected", "Ticket", "rejected_reply"]
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import httpx
 
-from router.instances import Instance
-from router.proxy import Reply
+from router.fleet.instances import Instance
+from router.http.forward import Reply
 
 __all__ = ["ModelRegistry", "ServedModels", "unknown_model_reply"]
 

@@ -19,7 +19,7 @@ from dataclasses import KW_ONLY, dataclass, field
 import httpx
 
 from router.config import InstanceSpec
-from router.engine_metrics import parse_engine_metrics
+from router.fleet.engine_metrics import parse_engine_metrics
 
 __all__ = ["Instance", "InstanceRegistry"]
 

@@ -12,10 +12,10 @@ from collections.abc import AsyncIterator
 import uvicorn
 from fastapi import FastAPI
 
-from router.app import create_app
 from router.config import RouterSettings
-from router.fastpath import ProxyEndpoints
-from router.http_protocol import HttpProtocol
+from router.http.app import create_app
+from router.http.fastpath import ProxyEndpoints
+from router.http.protocol import HttpProtocol
 from router.state import RouterState
 
 __all__ = ["build_app", "serve"]

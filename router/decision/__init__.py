@@ -1,0 +1,1 @@
+"""The routing decision: tokenize, hash the prompt, score each instance, rank by policy."""

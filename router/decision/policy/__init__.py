@@ -1,0 +1,1 @@
+"""Routing policies: ``Candidate`` in, ``Decision`` out."""

@@ -1,0 +1,1 @@
+"""The fleet: instances and their health, served models, admission, session affinity."""

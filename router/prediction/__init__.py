@@ -1,0 +1,1 @@
+"""Predict-on-route: what a just-routed request will leave cached, and KV pressure."""
