@@ -495,5 +495,16 @@ def load_settings(flags: Mapping[str, Any], config: Path | None = None) -> Route
             raise ValueError(f"{config}: expected a mapping of settings")
         from_file = nest(RouterSettings, raw)
     env = RouterSettings().model_dump(exclude_unset=True)  # what the environment set
-    given = nest(RouterSettings, {k: v for k, v in flags.items() if v is not None})
+    given = nest(RouterSettings, _given(flags))
     return RouterSettings(**deep_merge(from_file, env, given))
+
+
+def _given(flags: Mapping[str, Any]) -> dict[str, Any]:
+    """``flags`` without the None values (flags not given), sections included."""
+    out: dict[str, Any] = {}
+    for key, value in flags.items():
+        if isinstance(value, Mapping):
+            value = _given(value)
+        if value is not None:
+            out[key] = value
+    return out
