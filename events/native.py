@@ -8,6 +8,7 @@ pure-Python path, which gives the same answers.
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
@@ -16,6 +17,6 @@ __all__ = ["native"]
 native: Any = None
 if not os.environ.get("KVROUTE_NO_NATIVE"):
     try:
-        from events import _native as native
+        native = importlib.import_module("events._native")  # a C extension: no stub, Any
     except ImportError:  # not built (no compiler or OpenSSL headers): the Python paths
         native = None

@@ -123,6 +123,8 @@ def _default_text(info: FieldInfo) -> str:
         return "unset"
     if isinstance(value, bool):
         return "on" if value else "off"
+    if isinstance(value, dict):
+        value = [f"{k}={v}" for k, v in value.items()]
     if isinstance(value, list | tuple):
         return ",".join(str(v) for v in value) if value else "none"
     return str(value)
@@ -141,7 +143,7 @@ def _flag(path: tuple[str, ...], info: FieldInfo) -> Flag:
         annotation = bool
     else:
         names = [f"--{name}"]
-        if name.endswith("-s") and not extra.get("flag"):
+        if name.endswith("-s") and not name.endswith("-per-s") and not extra.get("flag"):
             names.append(f"--{name[:-2]}")  # seconds: the unit is in the help
         bounds = _bounds(info)
         if typing.get_origin(plain) is Literal:
@@ -150,8 +152,8 @@ def _flag(path: tuple[str, ...], info: FieldInfo) -> Flag:
         elif plain in (int, float) and bounds:
             kwargs.update(parser=_checked(plain, bounds), metavar=plain.__name__.upper())
             notes += [f"{op} {b}" for op, b in bounds]
-        elif typing.get_origin(plain) in (list, tuple):
-            annotation = list[str]
+        elif typing.get_origin(plain) in (list, tuple, dict):
+            annotation = list[str]  # repeatable; a mapping's items as the field parses them
             kwargs["metavar"] = "TEXT"
         elif plain in (int, float):
             annotation = plain

@@ -159,19 +159,18 @@ class MemoryIndex:
         if reset:
             res.cleared += self._drop(st)
         for ev in batch.events:
-            t = type(ev)
-            if t is BlockStored:
+            if type(ev) is BlockStored:
                 col = self._column(instance, st, slot_of(ev.group_idx, tier_of(ev.medium)))
                 res.stored += self._store(col, ev.block_hashes)
-            elif t is BlockRemoved:
-                col = st.cols.get(slot_of(ev.group_idx, tier_of(ev.medium)))
-                if col is None:
+            elif type(ev) is BlockRemoved:
+                held = st.cols.get(slot_of(ev.group_idx, tier_of(ev.medium)))
+                if held is None:
                     res.unknown += len(ev.block_hashes)
                 else:
-                    n = self._remove(col, ev.block_hashes)
+                    n = self._remove(held, ev.block_hashes)
                     res.removed += n
                     res.unknown += len(ev.block_hashes) - n
-            elif t is AllBlocksCleared:
+            elif type(ev) is AllBlocksCleared:
                 res.cleared += self._drop(st)
         if seq is not None:
             st.cursor = (batch.ts, seq)
@@ -206,7 +205,8 @@ class MemoryIndex:
         if _index_store is not None and type(hashes) is list:
             got = _index_store(self._blocks, self._ints, self._dups, col, hashes)
             if got is not None:  # else a hash to convert: the Python path below
-                n, fresh = got
+                n: int = got[0]
+                fresh: bytes = got[1]
                 log = self._logs[col]
                 assert log is not None
                 log.frombytes(fresh)
@@ -340,12 +340,12 @@ class MemoryIndex:
                 if st is not None:
                     keep |= st.mask
         if _column_masks is not None and type(block_hashes) is list:
-            out = _column_masks(
+            fast: dict[str, Residency] | None = _column_masks(
                 self._blocks, block_hashes, keep, self._members, _columns, _MEMBERS_MAX,
                 self._owner,
             )  # fmt: skip
-            if out is not None:  # None: not all exact ints
-                return out
+            if fast is not None:  # None: not all exact ints
+                return fast
         get = self._blocks.get
         try:
             vals = list(map(get, block_hashes, repeat(0, len(block_hashes))))

@@ -34,6 +34,7 @@ entries (16 clients, no events) the dict's boxed ints made every pass cache-boun
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import time
 from array import array
@@ -120,9 +121,8 @@ def refcounts_type() -> type:
     ``KVROUTE_NO_NATIVE=1`` is set."""
     if not os.environ.get("KVROUTE_NO_NATIVE"):
         try:
-            from router._refcounts import RefCounts
-
-            return RefCounts
+            table: type = importlib.import_module("router._refcounts").RefCounts  # C: no stub
+            return table
         except ImportError:  # not built (no compiler): the reference, same answers
             pass
     return PyRefCounts

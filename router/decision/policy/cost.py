@@ -142,7 +142,8 @@ class _Model:
     def recent_at(self, now: float, half_life_s: float) -> float:
         if not self.recent:
             return 0.0
-        return self.recent * 0.5 ** ((now - self.recent_t) / half_life_s)
+        decay: float = 0.5 ** ((now - self.recent_t) / half_life_s)
+        return self.recent * decay
 
 
 class CostPolicy(Policy):
