@@ -17,11 +17,9 @@ import torch
 
 from engine_adapter.sim.settings import PROFILE_NAMES  # the names, with the engine's settings
 from events.groups import (
-    FullAttentionSpec,
     KVCacheLayout,
     KVCacheSpec,
-    MambaSpec,
-    SlidingWindowSpec,
+    parse_layout,
 )
 
 __all__ = [
@@ -85,33 +83,6 @@ FAMILIES: dict[str, tuple[str, int]] = {
     "qwen3-next": ("mamba*3,full", 256),  # 3 Gated DeltaNet : 1 full; state-sized blocks
     "llama": ("full", 16),
 }
-
-
-def parse_layout(spec: str, block_size: int) -> KVCacheLayout:
-    """``swa:64*5,full`` | ``mamba*3,full`` | ``full`` | ``swa:128,full``: groups in
-    ``group_idx`` order, ``KIND[:WINDOW][*COUNT]`` each, all at ``block_size``."""
-    groups: list[KVCacheSpec] = []
-    for part in spec.replace(" ", "").split(","):
-        kind, _, count = part.partition("*")
-        n = int(count) if count else 1
-        if n <= 0:
-            raise ValueError(f"layout {spec!r}: group count must be positive")
-        name, _, window = kind.partition(":")
-        if name == "full" and not window:
-            g: KVCacheSpec = FullAttentionSpec(block_size)
-        elif name == "mamba" and not window:
-            g = MambaSpec(block_size)
-        elif name == "swa" and window.isdigit() and int(window) > 0:
-            g = SlidingWindowSpec(block_size, int(window))
-        else:
-            raise ValueError(
-                f"layout {spec!r}: bad group {part!r}; expected full, mamba or swa:WINDOW,"
-                " each optionally *COUNT"
-            )
-        groups.extend([g] * n)
-    if not groups:
-        raise ValueError("a layout needs at least one group")
-    return KVCacheLayout(tuple(groups))
 
 
 def get_profile(

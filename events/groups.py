@@ -29,6 +29,7 @@ __all__ = [
     "lcm_block_size",
     "longest_cache_hit",
     "longest_cache_hit_masks",
+    "parse_layout",
     "spec_from_event",
 ]
 
@@ -137,6 +138,34 @@ class KVCacheLayout:
             for g in d["groups"]
         )
         return cls(groups, int(d.get("hash_block_size") or 0), d.get("tokens_per_chunk"))
+
+
+def parse_layout(spec: str, block_size: int) -> KVCacheLayout:
+    """The one layout grammar (engine profiles, the router's default layout):
+    ``swa:64*5,full`` | ``mamba*3,full`` | ``full`` | ``swa:128,full``: groups in
+    ``group_idx`` order, ``KIND[:WINDOW][*COUNT]`` each, all at ``block_size``."""
+    groups: list[KVCacheSpec] = []
+    for part in spec.replace(" ", "").split(","):
+        kind, _, count = part.partition("*")
+        n = int(count) if count else 1
+        if n <= 0:
+            raise ValueError(f"layout {spec!r}: group count must be positive")
+        name, _, window = kind.partition(":")
+        if name == "full" and not window:
+            g: KVCacheSpec = FullAttentionSpec(block_size)
+        elif name == "mamba" and not window:
+            g = MambaSpec(block_size)
+        elif name == "swa" and window.isdigit() and int(window) > 0:
+            g = SlidingWindowSpec(block_size, int(window))
+        else:
+            raise ValueError(
+                f"layout {spec!r}: bad group {part!r}; expected full, mamba or swa:WINDOW,"
+                " each optionally *COUNT"
+            )
+        groups.extend([g] * n)
+    if not groups:
+        raise ValueError("a layout needs at least one group")
+    return KVCacheLayout(tuple(groups))
 
 
 def _full_prefix_mask(mask: int) -> int:

@@ -36,6 +36,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from events.codec import decode_batch
+from events.publisher import END_SEQ
 from events.structs import KVEventBatch
 
 __all__ = [
@@ -49,7 +50,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-END_SEQ = b"\xff" * 8
 _SUB_RCVHWM = 100_000  # as deep as the publisher's default PUB hwm
 
 

@@ -22,12 +22,12 @@ def _run(given: dict[str, Any], config: Path | None) -> None:
     from pydantic import ValidationError
 
     from router.config import load_settings
+    from router.decision.layout import default_layout
     from router.http.server import serve
-    from router.state import parse_layout
 
     try:
         settings = load_settings(given, config)
-        parse_layout(settings.default_layout, settings.block_size)
+        default_layout(settings.default_layout, settings.block_size)
     except (ValidationError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from exc
     serve(settings)

@@ -7,29 +7,41 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 from router.config import RouterSettings
-from router.decision.decide import Router
+from router.decision.decide import HealthyInstances, Router
 from router.decision.layout import LayoutRegistry
-from router.decision.policy.cost import CostPolicy, Policy, make_policy
+from router.decision.policy import COST_POLICIES, Policy, make_policy
+from router.decision.prompt_hashes import PromptHashes
 from router.decision.score import Scorer
 from router.decision.tokenize import RoutingTokenizer
 from router.fleet.affinity import SessionAffinity
 from router.index.base import BlockIndex
 from router.index.instrumented import IndexMetrics, InstrumentedIndex
 from router.metrics import RouterMetrics
+from router.prediction.predict import PredictOnRoute
 from router.prediction.pressure import EvictionTracker
 from router.prediction.speculative import SpeculativeResidency
 
-__all__ = ["build_router", "instrument"]
+__all__ = ["build_router", "eviction_tracker", "instrument"]
 
 
 def instrument(index: BlockIndex, metrics: RouterMetrics) -> BlockIndex:
     """``index`` with its metrics exported in the router's registry (idempotent)."""
     if isinstance(index, InstrumentedIndex):
         return index
-    return InstrumentedIndex(index, IndexMetrics(metrics.registry))
+    return InstrumentedIndex(index, IndexMetrics(metrics.registry))  # type: ignore[return-value]
+
+
+def eviction_tracker(
+    settings: RouterSettings, clock: Callable[[], float] | None = None
+) -> EvictionTracker | None:
+    """The memory-pressure tracker a cost policy reads (None: off, or a policy that reads
+    no pressure)."""
+    window_s = settings.eviction.window_s
+    if window_s <= 0 or settings.policy not in COST_POLICIES:
+        return None
+    return EvictionTracker(window_s, clock or time.monotonic)
 
 
 def build_router(
@@ -37,21 +49,23 @@ def build_router(
     *,
     index: BlockIndex,
     layouts: LayoutRegistry,
-    registry: Any,
+    registry: HealthyInstances,
     metrics: RouterMetrics | None = None,
     tokenizer: RoutingTokenizer | None = None,
     policy: Policy | None = None,
+    evictions: EvictionTracker | None = None,
     clock: Callable[[], float] | None = None,
     affinity: SessionAffinity | None = None,
     full_only: bool | None = None,
 ) -> Router:
     """The routing core from ``settings``. ``index`` should already be ``instrument``ed
     when ingest writes through it too; ``policy`` overrides ``settings.policy``'s (the
-    simulator seeds its tie-breaking); ``clock`` drives speculative expiry (virtual time);
-    ``affinity`` keeps sessions on their instance (applied after the policy's ranking);
-    ``full_only`` overrides the scorer's group filter (default: the ``prefix_full_only``
-    baseline scores full-attention groups only). A cost policy is handed an
-    ``EvictionTracker`` (``router.evictions``: ingest feeds it every batch)."""
+    simulator seeds its tie-breaking; it then passes the ``evictions`` its policy reads);
+    ``clock`` drives speculative expiry (virtual time); ``affinity`` keeps sessions on
+    their instance (applied after the policy's ranking); ``full_only`` overrides the
+    scorer's group filter (default: the ``prefix_full_only`` baseline scores
+    full-attention groups only). Ingest feeds ``router.prediction`` (its listener) every
+    batch: the eviction tracker a cost policy reads is fed there."""
     metrics = metrics or RouterMetrics()
     index = instrument(index, metrics)
     speculative = (
@@ -59,7 +73,16 @@ def build_router(
         if clock is None
         else SpeculativeResidency(settings.speculative.ttl_s, clock=clock)
     )
-    router = Router(
+    if policy is None:
+        evictions = evictions or eviction_tracker(settings, clock)
+        policy = make_policy(
+            settings.policy,
+            temperature=settings.temperature,
+            settings=settings.cost,
+            roomy=evictions.roomy if evictions is not None else None,
+        )
+    prompt_hashes = PromptHashes(settings.hash_algo, settings.seed)
+    return Router(
         registry=registry,
         scorer=Scorer(
             index,
@@ -67,19 +90,11 @@ def build_router(
             full_only=settings.policy == "prefix_full_only" if full_only is None else full_only,
         ),
         index=index,
-        policy=policy
-        or make_policy(settings.policy, temperature=settings.temperature, settings=settings.cost),
+        policy=policy,
         tokenizer=tokenizer or RoutingTokenizer(settings.tokenizer),
-        speculative=speculative,
+        prediction=PredictOnRoute(speculative, layouts, prompt_hashes, evictions),
+        prompt_hashes=prompt_hashes,
         metrics=metrics,
         block_size=settings.block_size,
-        hash_algo=settings.hash_algo,
-        seed=settings.seed,
         affinity=affinity,
     )
-    window_s = settings.eviction.window_s
-    if window_s > 0 and isinstance(router.policy, CostPolicy):
-        evictions = EvictionTracker(window_s, clock or time.monotonic)
-        router.evictions, router.policy.roomy = evictions, evictions.roomy
-    layouts.on_change = router.relayout
-    return router

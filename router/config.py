@@ -14,12 +14,9 @@ Names follow vLLM where the concept is vLLM's (``block_size``, ``hash_algo`` =
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
-from urllib.parse import urlparse
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -31,169 +28,14 @@ __all__ = [
     "CostSettings",
     "EvictionSettings",
     "HealthSettings",
-    "InstanceSpec",
     "PolicyName",
     "RedisSettings",
     "RouterSettings",
     "SessionSettings",
     "SpeculativeSettings",
     "UpstreamSettings",
-    "from_kv_events_config",
     "load_settings",
-    "parse_instance",
-    "rank_specs",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceSpec:
-    """``URL[=EVENTS_ENDPOINT[,replay=ENDPOINT][,topic=T][,model=NAME]...[,dp=N]]`` or ``URL=<vLLM's
-    --kv-events-config JSON>``, as the router's subscriber sees it.
-
-    ``bind``: whether the router's SUB socket binds ``events`` (the engine connects to
-    it) or connects; None keeps the subscriber's rule (bind a wildcard endpoint).
-    """
-
-    url: str
-    events: str | None = None
-    replay: str | None = None
-    topic: str = ""
-    bind: bool | None = None
-    models: tuple[str, ...] = ()  # declared served models: override its /v1/models
-    # ``dp=N``: the engine runs N data-parallel ranks; each becomes its own target
-    # (``rank_specs``), named ``URL#dpR`` and reached with vLLM's X-data-parallel-rank.
-    dp_size: int = 1
-    dp_rank: int | None = None
-
-    @property
-    def http_url(self) -> str:
-        """Where the engine answers HTTP (a rank target's name without ``#dpR``)."""
-        return self.url.partition("#")[0]
-
-
-def rank_specs(spec: InstanceSpec) -> list[InstanceSpec]:
-    """One target per data-parallel rank: vLLM's rank r publishes on the endpoint and
-    replay endpoint offset by r (``offset_endpoint_port``: tcp port + r, inproc ``_dpR``).
-    Without events the ranks cannot be told apart: the instance stays one target and
-    vLLM balances its own ranks."""
-    if spec.dp_size <= 1 or spec.events is None:
-        return [spec]
-    from events.publisher import offset_endpoint_port
-
-    return [
-        InstanceSpec(
-            f"{spec.url}#dp{r}",
-            offset_endpoint_port(spec.events, r),
-            offset_endpoint_port(spec.replay, r),
-            spec.topic,
-            spec.bind,
-            spec.models,
-            dp_rank=r,
-        )
-        for r in range(spec.dp_size)
-    ]
-
-
-def _check_endpoint(ep: str | None) -> None:
-    if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
-        raise ValueError(f"ZMQ endpoint must be tcp://, ipc:// or inproc://, got {ep!r}")
-
-
-def _engine_binds(endpoint: str) -> bool:
-    """vLLM's rule (``ZmqEventPublisher``): bind a wildcard, ipc or inproc endpoint,
-    connect to anything else."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
-def _towards(endpoint: str, host: str) -> str:
-    """Where to reach an endpoint the engine binds: its wildcard host becomes ``host``."""
-    if not endpoint.startswith("tcp://"):
-        return endpoint
-    _, _, port = endpoint.rpartition(":")
-    bound = endpoint[len("tcp://") : -len(port) - 1]
-    if bound in ("*", "[::]", "::", "0.0.0.0"):
-        bound = f"[{host}]" if ":" in host else host
-    return f"tcp://{bound}:{port}"
-
-
-def from_kv_events_config(url: str, text: str) -> InstanceSpec:
-    """An instance from the exact ``--kv-events-config`` JSON its vLLM was started with.
-
-    The engine binds ``tcp://*:P`` (or ipc): the router connects to the instance's host;
-    an engine given a concrete address connects to it, so the router binds there. The
-    replay endpoint is always bound by the engine. Data-parallel ranks other than 0 are
-    not followed here.
-    """
-    from events.config import KVEventsConfig
-
-    cfg = KVEventsConfig.from_json(text)
-    if not cfg.enable_kv_cache_events or cfg.publisher == "null":
-        return InstanceSpec(url)
-    host = urlparse(url).hostname or "127.0.0.1"
-    binds = _engine_binds(cfg.endpoint)
-    events = _towards(cfg.endpoint, host) if binds else cfg.endpoint
-    replay = _towards(cfg.replay_endpoint, host) if cfg.replay_endpoint else None
-    for ep in (events, replay):
-        _check_endpoint(ep)
-    return InstanceSpec(url, events, replay, cfg.topic, bind=not binds)
-
-
-def parse_instance(text: str) -> InstanceSpec:
-    """Parse one ``--instance`` value; raises ValueError with the reason.
-
-    ``URL=EVENTS[,replay=EP][,topic=T][,model=NAME]...[,dp=N]``, or ``URL=<vLLM's
-    --kv-events-config JSON>`` optionally followed by ``,model=NAME`` / ``,dp=N``.
-    """
-    url, _, rest = text.strip().partition("=")
-    url = url.rstrip("/")
-    parsed = urlparse(url)
-    if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise ValueError(f"instance URL must be http(s)://host:port, got {url!r}")
-    rest = rest.strip()
-    if rest.startswith("{"):
-        try:
-            _, end = json.JSONDecoder().raw_decode(rest)
-        except ValueError as exc:
-            raise ValueError(f"bad --kv-events-config JSON in {text!r}: {exc}") from None
-        base = from_kv_events_config(url, rest[:end])
-        options = rest[end:]
-        if options and not options.startswith(","):
-            raise ValueError(f"expected ',option=value' after the JSON in {text!r}")
-        parts = ["", *options.split(",")[1:]] if options else []
-        return _with_options(base, parts, text, allowed=("model", "dp"))
-    parts = rest.split(",") if rest else []
-    events = parts[0] if parts else None
-    _check_endpoint(events or None)
-    return _with_options(InstanceSpec(url, events or None), parts, text)
-
-
-def _with_options(
-    spec: InstanceSpec,
-    parts: list[str],
-    text: str,
-    allowed: tuple[str, ...] = ("replay", "topic", "model", "dp"),
-) -> InstanceSpec:
-    """``spec`` with the ``key=value`` options of ``parts[1:]``."""
-    replay, topic, models, dp = spec.replay, spec.topic, list(spec.models), spec.dp_size
-    for part in parts[1:]:
-        key, _, value = part.partition("=")
-        if key not in allowed:
-            raise ValueError(f"unknown instance option {key!r} in {text!r}")
-        if key == "replay":
-            replay = value or None
-            _check_endpoint(replay)
-        elif key == "topic":
-            topic = value
-        elif key == "model" and value:
-            models.append(value)
-        elif key == "dp":
-            if not value.isdigit() or int(value) < 1:
-                raise ValueError(f"dp must be a positive rank count, got {value!r} in {text!r}")
-            dp = int(value)
-    spec = replace(spec, replay=replay, topic=topic, models=tuple(models), dp_size=dp)
-    if dp > 1:
-        rank_specs(spec)  # an endpoint that cannot be offset per rank fails here
-    return spec
 
 
 PolicyName = Literal["cost", "round_robin", "least_loaded", "prefix_full_only"]
@@ -413,6 +255,8 @@ class RouterSettings(BaseSettings):
     @field_validator("instances")
     @classmethod
     def _instances(cls, v: list[str]) -> list[str]:
+        from router.fleet.specs import parse_instance  # the grammar; loads events.publisher
+
         for text in v:
             parse_instance(text)
         return v

@@ -11,37 +11,23 @@ import httpx
 
 from events.hashing import native_hashing
 from router.build import build_router, instrument
-from router.config import InstanceSpec, RouterSettings, parse_instance, rank_specs
-from router.decision.decide import RouteDecision
-from router.decision.layout import InstanceLayout, LayoutRegistry
+from router.config import RouterSettings
+from router.decision.layout import LayoutRegistry, default_layout
 from router.decision.tokenize import RoutingTokenizer
 from router.fleet.admission import AdmissionController
 from router.fleet.affinity import SessionAffinity
 from router.fleet.instances import Instance, InstanceRegistry
 from router.fleet.models import ModelRegistry
+from router.fleet.specs import InstanceSpec, parse_instance, rank_specs
 from router.http.forward import Forwarder
 from router.http.upstream import UpstreamPool
 from router.index import open_index
 from router.ingest import IngestManager
 from router.metrics import RouterMetrics
 
-__all__ = ["RouterState", "parse_layout"]
+__all__ = ["RouterState"]
 
 log = logging.getLogger(__name__)
-
-
-def parse_layout(text: str, block_size: int) -> InstanceLayout:
-    """``full`` | ``swa:WINDOW`` | ``mamba`` (each beside one full-attention group)."""
-    from events.groups import FullAttentionSpec, MambaSpec, SlidingWindowSpec
-
-    full = FullAttentionSpec(block_size)
-    if text == "full":
-        return InstanceLayout((full,))
-    if text == "mamba":
-        return InstanceLayout((full, MambaSpec(block_size)))
-    if text.startswith("swa:") and text[4:].isdigit():
-        return InstanceLayout((full, SlidingWindowSpec(block_size, int(text[4:]))))
-    raise ValueError(f"default layout must be full, swa:WINDOW or mamba, got {text!r}")
 
 
 class RouterState:
@@ -65,14 +51,17 @@ class RouterState:
             if s.redis.block_ttl_s:
                 redis_opts["block_ttl_s"] = s.redis.block_ttl_s
         self.index = instrument(open_index(s.index, **redis_opts), self.metrics)
-        self.layouts = LayoutRegistry(default=parse_layout(s.default_layout, s.block_size))
-        self.ingest = IngestManager(self.index, self.layouts, registry=self.metrics.registry)
+        self.layouts = LayoutRegistry(default=default_layout(s.default_layout, s.block_size))
+        self.admission = AdmissionController(s.admission, self.metrics.registry)
+        self.models = ModelRegistry(self.client, s.health.timeout_s)
         self.registry = InstanceRegistry(
             self.client,
             **s.health.model_dump(),
             read_metrics=s.engine_metrics,
             on_change=self._health_changed,
             on_block_size=self.layouts.hint_block_size,
+            on_probed=self.admission.notify,  # thresholds re-checked
+            on_up=self.models.refresh,  # served models re-read
         )
         self.affinity = SessionAffinity(s.session, self.metrics.registry)
         self.router = build_router(
@@ -86,43 +75,28 @@ class RouterState:
         )
         self.policy = self.router.policy
         self.scorer = self.router.scorer
-        self.speculative = self.router.speculative
-        self.ingest.on_applied = self.speculative.flush
-        if self.router.evictions is not None:
-            self.ingest.on_batch = self.router.evictions.observe
-        self.admission = AdmissionController(s.admission, self.metrics.registry)
-        self.registry.on_probed = self.admission.notify
-        self.models = ModelRegistry(self.client, s.health.timeout_s)
-        self.registry.on_up = self.models.refresh
+        self.prediction = self.router.prediction
+        self.ingest = IngestManager(
+            self.index, self.layouts, registry=self.metrics.registry, listener=self.prediction
+        )
         self.forwarder = Forwarder(
             self.registry,
             self.policy,
             self.metrics,
+            UpstreamPool(
+                connect_timeout_s=s.upstream.connect_timeout_s,
+                request_timeout_s=s.upstream.request_timeout_s,
+            ),
             max_retries=s.upstream.max_retries,
-            on_routed=self._routed,
-            on_done=self._done,
-        )
-        self.forwarder.pool = UpstreamPool(
-            connect_timeout_s=s.upstream.connect_timeout_s,
-            request_timeout_s=s.upstream.request_timeout_s,
         )
         self._layout_task: asyncio.Task[None] | None = None
-
-    def _routed(self, decision: RouteDecision, url: str) -> None:
-        self.router.routed(decision, url)
-        if decision.ticket is not None:  # now counted in the instance's in-flight
-            decision.ticket.release()
-
-    def _done(self, decision: RouteDecision, url: str) -> None:
-        self.router.settled(decision, url)
-        self.admission.notify()  # a slot may have freed
 
     async def _health_changed(self, inst: Instance, up: bool) -> None:
         """A down instance's cache is unknown -- it may come back restarted, empty: drop
         its residency now and rebuild it from its events (replay, then the live stream)."""
         if up:
             return
-        self.speculative.forget(inst.url)
+        self.prediction.forget(inst.url)
         if inst.spec.events and inst.url in self.ingest.instances():
             self.ingest.resync(inst.url)
 
@@ -195,7 +169,7 @@ class RouterState:
         else:
             with contextlib.suppress(Exception):
                 await self.index.clear(inst.url)
-        self.speculative.forget(inst.url)
+        self.prediction.forget(inst.url)
         self.models.forget(inst.url)
 
     async def _share_layouts(self) -> None:

@@ -14,8 +14,8 @@ import uuid
 import pytest
 
 from events.structs import BlockRemoved, BlockStored, KVEventBatch
-from router.config import InstanceSpec
 from router.fleet.instances import Instance
+from router.fleet.specs import InstanceSpec
 from stack.procs import free_port
 
 __all__ = [

@@ -85,6 +85,6 @@ def test_router_flags_reach_the_cost_policy(monkeypatch):
     state = RouterState(settings)
     assert state.policy.stick_margin == 0.75
     assert state.policy.defaults.prefill_s_per_token == 0.001
-    assert state.speculative.ttl_s == 0.5 and state.router.evictions is None
+    assert state.prediction.store.ttl_s == 0.5 and state.prediction.evictions is None
     refused = CliRunner().invoke(app, ["router", "--cost-fit-decay", "0"])
     assert refused.exit_code == 2 and "cost-fit-decay" in refused.output

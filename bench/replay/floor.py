@@ -3,7 +3,7 @@
 ``python -m bench.replay.floor PORT UPSTREAM_URL``: an asyncio protocol with httptools'
 request parser on uvloop -- no ASGI, no framework, no routing decision -- that forwards
 every POST to one upstream through the router's own pooled keep-alive client
-(``router.upstream``) and relays the answer: whole with its Content-Length, or chunk by
+(``router.http.upstream``) and relays the answer: whole with its Content-Length, or chunk by
 chunk when the upstream streams. ``GET /health`` answers 200.
 
 It answers one question with a number: what does a Python proxy add before it decides

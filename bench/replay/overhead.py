@@ -29,11 +29,12 @@ from events.groups import FullAttentionSpec, SlidingWindowSpec
 from events.hashing import hash_request_blocks, wire_hash
 from events.structs import BlockStored, KVEventBatch
 from router.build import build_router
-from router.config import InstanceSpec, RouterSettings
+from router.config import RouterSettings
 from router.decision.layout import InstanceLayout, LayoutRegistry
-from router.decision.policy.cost import Candidate
+from router.decision.policy import Candidate
 from router.decision.prompt_hashes import PromptHashes
 from router.fleet.instances import Instance
+from router.fleet.specs import InstanceSpec
 from router.index.memory import MemoryIndex
 
 __all__ = ["decision_time", "proxy_overhead", "run_overhead"]

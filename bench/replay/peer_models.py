@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from router.decision.policy.cost import Candidate, Decision, Policy
+from router.decision.policy import Candidate, Decision, Policy
 
 __all__ = ["PEER_MODELS", "SglangCacheAwareModel", "VllmKvAwareModel", "make_peer_model"]
 

@@ -1,7 +1,7 @@
 """``--mode sim``: the whole side-by-side replay in one process on a virtual clock.
 
 No re-implementation: each engine is the real ``KVCacheManager`` + ``EngineCore`` (the
-scheduler the HTTP engine runs), and the router side is the real ``router.decide.Router``
+scheduler the HTTP engine runs), and the router side is the real ``router.decision.decide.Router``
 (tokenizer, vLLM block hashing, ``Scorer`` over a ``MemoryIndex``, speculative residency,
 the policy), with the proxy's load accounting (in flight until the first token, running
 until the last) and its TTFT feedback to the policy. What is left out is the wire: each
@@ -36,12 +36,20 @@ from engine_adapter.profiles import get_profile
 from engine_adapter.sim.core import FILLER_TEXT, EngineCore, SchedulerConfig
 from events.publisher import EventPublisher
 from events.structs import KVEventBatch
-from router.build import build_router
-from router.config import InstanceSpec, RouterSettings
+from router.build import build_router, eviction_tracker
+from router.config import RouterSettings
 from router.decision.layout import InstanceLayout, LayoutRegistry
-from router.decision.policy.cost import CostRates, LeastLoadedPolicy, Policy, make_policy
+from router.decision.policy import (
+    COST_POLICIES,
+    CostRates,
+    LeastLoadedPolicy,
+    Policy,
+    make_policy,
+)
 from router.fleet.instances import Instance
+from router.fleet.specs import InstanceSpec
 from router.index.memory import MemoryIndex
+from router.ingest.listener import IngestListener
 
 __all__ = ["SimResult", "SimRouterSettings", "run_sim"]
 
@@ -88,23 +96,24 @@ class _InlineExecutor:
 class _IndexFeed(EventPublisher):
     """The engine's publisher, short-circuited: what the router's ingest does per batch."""
 
-    def __init__(self, name: str, index: MemoryIndex, layouts: LayoutRegistry) -> None:
+    def __init__(
+        self, name: str, index: MemoryIndex, layouts: LayoutRegistry, listener: IngestListener
+    ) -> None:
         super().__init__()
         self.name, self.index, self.layouts = name, index, layouts
+        self.listener: IngestListener | None = listener  # as IngestManager's
         self.seq = 0
         self.batches = 0
-        self.on_applied: Callable[[str], None] | None = None  # as IngestManager's
-        self.on_batch: Callable[[str, KVEventBatch], None] | None = None  # likewise
 
     def publish(self, batch: KVEventBatch) -> None:
         self.layouts.observe(self.name, batch)
-        if self.on_batch is not None:
-            self.on_batch(self.name, batch)
+        if self.listener is not None:
+            self.listener.batch_learned(self.name, batch)
         self.index.apply_sync(self.name, batch, seq=self.seq)
         self.seq += 1
         self.batches += 1
-        if self.on_applied is not None:
-            self.on_applied(self.name)
+        if self.listener is not None:
+            self.listener.batch_applied(self.name)
 
     def shutdown(self) -> None:
         return None
@@ -145,7 +154,12 @@ def build_core(cfg: ReplayConfig, publisher: EventPublisher) -> EngineCore:
 
 
 def sim_policy(
-    name: str, rates: CostRates, temperature: float, seed: int, clock: Callable[[], float]
+    name: str,
+    rates: CostRates,
+    temperature: float,
+    seed: int,
+    clock: Callable[[], float],
+    roomy: Callable[[str], bool] | None = None,
 ) -> Policy:
     """``make_policy`` with a seeded generator for tie-breaking (reproducible runs) and the
     virtual clock (the cost policy drains its backlog model by it)."""
@@ -153,7 +167,9 @@ def sim_policy(
     if name.startswith("model:"):
         return make_peer_model(name.split(":", 1)[1])
     if name in ("cost", "prefix_full_only"):
-        return make_policy(name, temperature=temperature, settings=rates, clock=clock, rng=rng)
+        return make_policy(
+            name, temperature=temperature, settings=rates, clock=clock, rng=rng, roomy=roomy
+        )
     if name == "least_loaded":
         return LeastLoadedPolicy(rng)
     return make_policy(name)
@@ -170,8 +186,6 @@ async def _simulate(
     names = [f"engine-{i}" for i in range(cfg.engines)]
     index = MemoryIndex()
     layouts = LayoutRegistry(default=InstanceLayout.full(cfg.engine.block_size))
-    feeds = {n: _IndexFeed(n, index, layouts) for n in names}
-    cores = {n: build_core(cfg, feeds[n]) for n in names}
     insts = {n: Instance(InstanceSpec(n)) for n in names}
     rates = CostRates(
         prefill_s_per_token=rs.prefill_s_per_token,
@@ -191,20 +205,28 @@ async def _simulate(
         request_overhead_s=rs.request_overhead_s,
         speculative_ttl_s=rs.speculative_ttl_s,
     )
+    # The cost policy reads memory pressure (the peer models do not).
+    evictions = eviction_tracker(settings, loop.time) if policy_name in COST_POLICIES else None
     router = build_router(
         settings,
         index=index,
         layouts=layouts,
         registry=_Registry(list(insts.values())),
-        policy=sim_policy(policy_name, rates, cfg.temperature, cfg.seed, loop.time),
+        policy=sim_policy(
+            policy_name,
+            rates,
+            cfg.temperature,
+            cfg.seed,
+            loop.time,
+            evictions.roomy if evictions is not None else None,
+        ),
+        evictions=evictions,
         clock=loop.time,
         full_only=policy_name in ("prefix_full_only", "model:vllm-router"),
     )
     policy = router.policy
-    for feed in feeds.values():
-        feed.on_applied = router.speculative.flush
-        if router.evictions is not None:
-            feed.on_batch = router.evictions.observe
+    feeds = {n: _IndexFeed(n, index, layouts, router.prediction) for n in names}
+    cores = {n: build_core(cfg, feeds[n]) for n in names}
     for core in cores.values():
         await core.start()
 

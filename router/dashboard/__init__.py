@@ -30,6 +30,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from router.dashboard.snapshot import Recorded, build_snapshot
 from router.dashboard.view import SECTIONS, build_view, render_cards, render_table
+from router.decision.explain import explain
 
 if TYPE_CHECKING:
     from router.decision.decide import RouteDecision
@@ -147,7 +148,7 @@ def mount_dashboard(app: FastAPI, state: RouterState) -> Dashboard:
                 }
             }
             return JSONResponse(body, status_code=404, headers=_HEADERS)
-        explained = await state.router.explain(rec.decision)
+        explained = await explain(state.router, rec.decision)
         return JSONResponse(
             {
                 "id": rec.id,

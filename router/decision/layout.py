@@ -10,7 +10,7 @@ Precedence: configured for the instance > learned > the registry default.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -20,11 +20,12 @@ from events.groups import (
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
+    parse_layout,
     spec_from_event,
 )
 from events.structs import BlockStored, KVEventBatch
 
-__all__ = ["InstanceLayout", "LayoutRegistry"]
+__all__ = ["InstanceLayout", "LayoutRegistry", "default_layout"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,16 @@ log = logging.getLogger(__name__)
 # engine builds its pools from): what each ``group_idx`` of an instance is, its hash block
 # size and its CPU chunk size.
 InstanceLayout = KVCacheLayout
+
+
+def default_layout(text: str, block_size: int) -> InstanceLayout:
+    """The layout assumed until an instance's events teach its own, in the one layout
+    grammar (``events.groups.parse_layout``); a full-attention group is put first when
+    the text names none (``swa:1024``, ``mamba``: a hybrid beside full attention)."""
+    layout = parse_layout(text, block_size)
+    if any(isinstance(g, FullAttentionSpec) for g in layout.groups):
+        return layout
+    return InstanceLayout((FullAttentionSpec(block_size), *layout.groups))
 
 
 class LayoutRegistry:
@@ -54,9 +65,9 @@ class LayoutRegistry:
         self._chunk: dict[str, int] = {}  # tokens per CPU chunk, from self-describing events
         self._warned: set[str] = set()  # instances whose block size disagreed (warned once)
         self._hinted: dict[str, InstanceLayout] = {}  # default groups at the engine's size
-        # Called with the instance's name when its learned layout changes (the router
-        # re-records what it predicted for requests in flight under the layout it assumed).
-        self.on_change: Callable[[str], None] | None = None
+        # Moves whenever a learned layout changes: predict-on-route re-records what it
+        # predicted for requests in flight under the layout they assumed.
+        self.version = 0
 
     @property
     def default(self) -> InstanceLayout | None:
@@ -129,10 +140,9 @@ class LayoutRegistry:
         return True
 
     def _changed(self, instance: str) -> None:
-        """A learned layout changed: forget resolved answers, then tell the router."""
+        """A learned layout changed: forget resolved answers; the version moves."""
         self._resolved.clear()
-        if self.on_change is not None:
-            self.on_change(instance)
+        self.version += 1
 
     async def refresh_from(self, index: Any) -> int:
         """Adopt the layouts ingesters shared through ``index.put_layout`` (a reader router

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import math
 import time
@@ -31,9 +30,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from router.config import AdmissionSettings
 from router.fleet.instances import Instance
-from router.http.forward import Reply
 
-__all__ = ["AdmissionConfig", "AdmissionController", "Rejected", "Ticket", "rejected_reply"]
+__all__ = ["AdmissionConfig", "AdmissionController", "Rejected", "Ticket"]
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +47,6 @@ class Rejected:
     reason: str
     retry_after_s: int
     message: str
-
-
-def rejected_reply(r: Rejected) -> Reply:
-    """429 with ``Retry-After`` and an OpenAI-shaped error body."""
-    body = {"error": {"message": r.message, "type": "RateLimitError", "param": None, "code": 429}}
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"retry-after", str(r.retry_after_s).encode()),
-    ]
-    return Reply(429, headers, json.dumps(body).encode())
 
 
 class Ticket:

@@ -24,7 +24,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter
 
 from router.config import SessionSettings
-from router.decision.policy.cost import Decision
+from router.decision.policy import Decision
 
 __all__ = ["AffinityConfig", "SessionAffinity"]
 

@@ -18,8 +18,8 @@ from dataclasses import KW_ONLY, dataclass, field
 
 import httpx
 
-from router.config import InstanceSpec
 from router.fleet.engine_metrics import parse_engine_metrics
+from router.fleet.specs import InstanceSpec
 
 __all__ = ["Instance", "InstanceRegistry"]
 
@@ -50,7 +50,7 @@ class Instance:
     errors: int = 0
     down_since: float | None = None
     # The engine's own load, KV usage and prefix-cache counters from its /metrics
-    # (``router.engine_metrics``), as of the last probe; shown by /dashboard.
+    # (``router.fleet.engine_metrics``), as of the last probe; shown by /dashboard.
     engine_stats: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -90,9 +90,9 @@ class InstanceRegistry:
     on_change: OnChange | None = None
     on_block_size: Callable[[str, int], None] | None = None
     # Called after each probe round (admission re-checks its thresholds).
-    on_probed: Callable[[], None] | None = field(default=None, init=False)
+    on_probed: Callable[[], None] | None = None
     # Called after each good probe of one instance (its served models are re-read).
-    on_up: Callable[[Instance], Awaitable[None]] | None = field(default=None, init=False)
+    on_up: Callable[[Instance], Awaitable[None]] | None = None
     _instances: dict[str, Instance] = field(default_factory=dict, init=False, repr=False)
     _task: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
 

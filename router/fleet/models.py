@@ -15,7 +15,6 @@ candidate for any model: the engine answers for itself.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,22 +23,10 @@ from typing import Any
 import httpx
 
 from router.fleet.instances import Instance
-from router.http.forward import Reply
 
-__all__ = ["ModelRegistry", "ServedModels", "unknown_model_reply"]
+__all__ = ["ModelRegistry", "ServedModels"]
 
 log = logging.getLogger(__name__)
-
-
-def unknown_model_reply(model: str) -> Reply:
-    """vLLM's answer for a model it does not serve (``OpenAIModelRegistry.check_model``)."""
-    err = {
-        "message": f"The model `{model}` does not exist.",
-        "type": "NotFoundError",
-        "param": "model",
-        "code": 404,
-    }
-    return Reply(404, [(b"content-type", b"application/json")], json.dumps({"error": err}).encode())
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,11 +10,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.config import parse_instance
 from router.dashboard import mount_dashboard
+from router.decision.explain import explain
+from router.fleet.specs import parse_instance
 from router.http.fastpath import ProxyEndpoints, parse_body, read_body
-from router.http.forward import Reply
 from router.http.gate import route_request
+from router.http.replies import Reply, as_response, error_reply
 from router.state import RouterState
 
 __all__ = ["create_app"]
@@ -22,17 +23,8 @@ __all__ = ["create_app"]
 log = logging.getLogger(__name__)
 
 
-def error_response(message: str, status: int, err_type: str = "BadRequestError") -> JSONResponse:
-    body = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
-    return JSONResponse(body, status_code=status)
-
-
-def _response(reply: Reply) -> Response:
-    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in reply.headers}
-    headers.pop("content-type", None)
-    return Response(
-        reply.body, status_code=reply.status, headers=headers, media_type="application/json"
-    )
+def error_response(message: str, status: int, err_type: str = "BadRequestError") -> Response:
+    return as_response(error_reply(message, status, err_type))
 
 
 def _authorized(request: Request, token: str) -> bool:
@@ -44,7 +36,7 @@ def _authorized(request: Request, token: str) -> bool:
 
 
 def create_app(state: RouterState) -> ProxyEndpoints:
-    """The ASGI app: the proxy endpoints in front (``router.fastpath``), FastAPI behind
+    """The ASGI app: the proxy endpoints in front (``router.http.fastpath``), FastAPI behind
     (``.app``) for everything else."""
     app = FastAPI(title="kvroute router", docs_url=None, redoc_url=None)
     s = state.settings
@@ -55,21 +47,21 @@ def create_app(state: RouterState) -> ProxyEndpoints:
         """The decision for an OpenAI body, without forwarding it."""
         raw = await read_body(request.scope, request.receive, s.max_body_bytes)
         if isinstance(raw, Reply):
-            return _response(raw)
+            return as_response(raw)
         parsed = parse_body(raw, None)
         if isinstance(parsed, Reply):
-            return _response(parsed)
+            return as_response(parsed)
         kind, data = parsed
-        decision = await route_request(state, data, kind, request.scope["headers"], forward=False)
-        if isinstance(decision, Reply):
-            return _response(decision)
-        out = await state.router.explain(decision)
+        routed = await route_request(state, data, kind, request.scope["headers"], forward=False)
+        if isinstance(routed, Reply):
+            return as_response(routed)
+        out = await explain(state.router, routed.decision)
         out["model"] = {
             "requested": data.get("model"),
-            "pool": [i.url for i in decision.pool],  # candidates: those of it not busy
-            "lora": decision.lora[0] if decision.lora else None,
+            "pool": [i.url for i in routed.pool],  # candidates: those of it not busy
+            "lora": routed.lora[0] if routed.lora else None,
         }
-        out["admission"] = state.admission.describe(decision.pool)
+        out["admission"] = state.admission.describe(routed.pool)
         return JSONResponse(out)
 
     @app.get("/v1/models")
@@ -113,7 +105,7 @@ def create_app(state: RouterState) -> ProxyEndpoints:
             return err
         raw = await read_body(request.scope, request.receive, 64 * 1024)
         if isinstance(raw, Reply):
-            return _response(raw)
+            return as_response(raw)
         try:
             data = json.loads(raw)
         except (ValueError, RecursionError) as exc:

@@ -1,22 +1,28 @@
 """The OpenAI proxy endpoints as a raw ASGI layer in front of FastAPI.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` are the hot path: they skip
-FastAPI's routing, request objects and response classes (about a third of the proxy's
-time on the overhead benchmark), read the body straight from ``receive``, decode only the
-fields routing needs (msgspec), and write the answer with ``send``. Everything else --
-``/debug/route``, admin, metrics, health, the dashboard -- goes on to the FastAPI app.
-Bad input gets the same 4xx JSON errors as before; the body is forwarded as received.
+FastAPI's routing, request objects and response classes (a large share of the proxy's
+time otherwise), read the body straight from ``receive``, decode only the fields routing
+needs (msgspec), and write the answer with ``send``. Everything else -- ``/debug/route``,
+admin, metrics, health, the dashboard -- goes on to the FastAPI app. Bad input gets the
+4xx OpenAI errors of ``router.http.replies``; the body is forwarded as received.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+from starlette.types import ASGIApp
 
-from router.http.forward import Receive, Reply, Send, error_reply, request_headers
+from router.http.forward import request_headers
 from router.http.gate import route_request
+from router.http.replies import Receive, Reply, Send, error_reply
+
+if TYPE_CHECKING:
+    from router.dashboard import Dashboard
+    from router.state import RouterState
 
 __all__ = ["ProxyEndpoints", "RoutingFields", "parse_body", "read_body"]
 
@@ -101,7 +107,9 @@ _FIELDS = RoutingFields.__struct_fields__
 class ProxyEndpoints:
     """ASGI middleware: the two proxy endpoints here, the rest to ``app``."""
 
-    def __init__(self, app: Any, state: Any, dashboard: Any = None) -> None:
+    def __init__(
+        self, app: ASGIApp, state: RouterState, dashboard: Dashboard | None = None
+    ) -> None:
         self.app = app
         self.state = state
         self.dashboard = dashboard
@@ -127,19 +135,16 @@ class ProxyEndpoints:
             return parsed
         _, data = parsed
         state.metrics.stage_parse.observe(time.perf_counter() - t0)
-        decision = await route_request(
-            state, data, kind, scope["headers"], dashboard=self.dashboard
-        )
-        if isinstance(decision, Reply):
-            return decision
+        request = await route_request(state, data, kind, scope["headers"], dashboard=self.dashboard)
+        if isinstance(request, Reply):
+            return request
         try:
             return await state.forwarder.forward(
                 scope["path"],
                 raw,
                 request_headers(scope["headers"]),
-                decision,
+                request,
                 data.get("stream") is True,
             )
         finally:
-            if decision.ticket is not None:  # no forward started (all failed): free it
-                decision.ticket.release()
+            request.release()  # a forward started released it already; else: free it

@@ -10,8 +10,8 @@ chunk, unbuffered; if the instance dies mid-stream the client gets an SSE error 
 the connection ends. A non-streaming answer is read whole and sent with its length (no
 chunked re-encoding: one write, as the engine sent it).
 
-The hot path runs on ``router.upstream`` (pooled keep-alive HTTP/1.1 on asyncio protocols
-and httptools): httpx cost about a millisecond of CPU per forward, aiohttp a tenth of one.
+The hot path runs on ``router.http.upstream`` (pooled keep-alive HTTP/1.1 on asyncio
+protocols and httptools: the cheapest client measured, docs/design/cost-policy.md).
 While passing through, the tail of the body is kept (bounded) to read the engine's
 ``usage.kv_hit`` at the end and compare it with the prediction (exactness metrics).
 """
@@ -19,7 +19,6 @@ While passing through, the tail of the body is kept (bounded) to read the engine
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -28,8 +27,10 @@ from typing import Any, NamedTuple
 import msgspec
 
 from router.decision.decide import RouteDecision
-from router.decision.policy.cost import Policy
+from router.decision.policy import Policy
+from router.decision.request import RoutedRequest
 from router.fleet.instances import Instance, InstanceRegistry
+from router.http.replies import Receive, Reply, Send, error_reply, stream_error_chunk
 from router.http.upstream import (
     ConnectRefused,
     Dropped,
@@ -39,12 +40,9 @@ from router.http.upstream import (
 )
 from router.metrics import RouterMetrics
 
-__all__ = ["Forwarder", "Reply", "error_reply", "parse_usage", "request_headers"]
+__all__ = ["Forwarder", "parse_usage", "request_headers"]
 
 log = logging.getLogger(__name__)
-
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
 
 HOP_HEADERS = frozenset(
     {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"te",
@@ -58,44 +56,6 @@ _FAILED = (UpstreamError, TimeoutError, OSError)
 class _Failure(NamedTuple):
     message: str
     dropped: bool  # the connection dropped before the first byte: worth one more try
-
-
-class Reply:
-    """An answer ready to send over ASGI: status, headers, body (or a relay). ``after``
-    runs once it is sent (or sending failed): bookkeeping the client need not wait for."""
-
-    __slots__ = ("after", "body", "headers", "relay", "status")
-
-    def __init__(
-        self,
-        status: int,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes = b"",
-        relay: Callable[[Send, Receive], Awaitable[None]] | None = None,
-        after: Callable[[], None] | None = None,
-    ) -> None:
-        self.status = status
-        self.headers = headers
-        self.body = body
-        self.relay = relay
-        self.after = after
-
-    async def send(self, send: Send, receive: Receive) -> None:
-        try:
-            if self.relay is not None:
-                await self.relay(send, receive)
-                return
-            headers = [*self.headers, (b"content-length", str(len(self.body)).encode())]
-            await send({"type": "http.response.start", "status": self.status, "headers": headers})
-            await send({"type": "http.response.body", "body": self.body})
-        finally:
-            if self.after is not None:
-                self.after()
-
-
-def error_reply(message: str, status: int, err_type: str = "BadRequestError") -> Reply:
-    body = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
-    return Reply(status, [(b"content-type", b"application/json")], json.dumps(body).encode())
 
 
 class _WithUsage(msgspec.Struct):
@@ -137,28 +97,27 @@ class Forwarder:
         registry: InstanceRegistry,
         policy: Policy,
         metrics: RouterMetrics,
+        pool: UpstreamPool,
         *,
         max_retries: int = 2,
-        on_routed: Callable[[RouteDecision, str], None] | None = None,
-        on_done: Callable[[RouteDecision, str], None] | None = None,
     ) -> None:
-        self.pool: UpstreamPool | None = None  # set by RouterState
         self.registry = registry
         self.policy = policy
         self.metrics = metrics
+        self.pool = pool
         self.max_retries = max_retries
-        self.on_routed = on_routed
-        self.on_done = on_done
 
     async def forward(
         self,
         path: str,
         raw_body: bytes,
         headers: list[tuple[bytes, bytes]],
-        decision: RouteDecision,
+        request: RoutedRequest,
         streaming: bool,
     ) -> Reply:
-        ranked = decision.decision.ranked[: 1 + self.max_retries]
+        """Try the ranked instances in turn until one answers (its reply), else 503.
+        ``request`` hears of each try: ``sent`` once written, ``ended`` once over."""
+        ranked = request.decision.decision.ranked[: 1 + self.max_retries]
         last_error = "no instance available"
         dropped: Instance | None = None
         for attempt, url in enumerate(ranked):
@@ -167,7 +126,7 @@ class Forwarder:
                 continue
             if attempt:
                 self.metrics.retry_next.inc()
-            result = await self._try(inst, path, raw_body, headers, decision, streaming)
+            result = await self._try(inst, path, raw_body, headers, request, streaming)
             if isinstance(result, Reply):
                 return result
             last_error = result.message
@@ -176,7 +135,7 @@ class Forwarder:
             log.warning("forward to %s failed before first byte: %s", url, result.message)
         if dropped is not None and dropped.healthy:
             self.metrics.retry_same.inc()
-            result = await self._try(dropped, path, raw_body, headers, decision, streaming)
+            result = await self._try(dropped, path, raw_body, headers, request, streaming)
             if isinstance(result, Reply):
                 return result
             last_error = result.message
@@ -190,17 +149,16 @@ class Forwarder:
         path: str,
         raw_body: bytes,
         headers: list[tuple[bytes, bytes]],
-        decision: RouteDecision,
+        request: RoutedRequest,
         streaming: bool,
     ) -> Reply | _Failure:
-        assert self.pool is not None, "Forwarder.pool is set by RouterState"
         url = inst.url
+        decision = request.decision
         m = self.metrics.instance(url)
         uncached = decision.uncached(url)
         inst.inflight_requests += 1
         inst.inflight_prefill_tokens += uncached
         m.inflight.set(inst.inflight_requests)
-        on_routed = self.on_routed
         t0 = time.perf_counter()
         resp: UpstreamResponse | None = None
         committed = False
@@ -214,7 +172,7 @@ class Forwarder:
                 path,
                 raw_body,
                 headers,
-                (lambda: on_routed(decision, url)) if on_routed else None,
+                lambda: request.sent(url),
             )
             t_head = time.perf_counter()
             self.metrics.stage_upstream_headers.observe(t_head - t0)
@@ -245,8 +203,8 @@ class Forwarder:
             m.inflight.set(inst.inflight_requests)
             if resp is not None and not committed:
                 resp.close()
-            if not committed and self.on_done:
-                self.on_done(decision, url)  # this try is over; a retry records anew
+            if not committed:
+                request.ended(url)  # this try is over; a retry records anew
         ttft = time.perf_counter() - t0
         self.metrics.stage_upstream_first_byte.observe(ttft)
         m.ttft.observe(ttft)
@@ -262,14 +220,13 @@ class Forwarder:
             out.append((b"x-kvroute-predicted-hit", str(gpu + cpu).encode()))
         (m.ok if resp.status < 400 else m.upstream_4xx).inc()
         if streaming and resp.status < 400:
-            relay = self._relay(inst, resp, first, decision, out, ttft)
+            relay = self._relay(inst, resp, first, request, out, ttft)
             return Reply(resp.status, out, relay=relay)
         status = resp.status
 
         def after() -> None:  # once the answer is on its way to the client
             self._finish(inst, status, first, decision, streaming=False)
-            if self.on_done:
-                self.on_done(decision, url)
+            request.ended(url)
 
         return Reply(status, out, first, after=after)
 
@@ -278,10 +235,12 @@ class Forwarder:
         inst: Instance,
         resp: UpstreamResponse,
         first: bytes,
-        decision: RouteDecision,
+        request: RoutedRequest,
         headers: list[tuple[bytes, bytes]],
         ttft: float,
     ) -> Callable[[Send, Receive], Awaitable[None]]:
+        decision = request.decision
+
         async def relay(send: Send, receive: Receive) -> None:
             m = self.metrics.instance(inst.url)
             inst.running_requests += 1
@@ -326,15 +285,7 @@ class Forwarder:
                 except _FAILED as exc:
                     m.broken_stream.inc()
                     log.warning("stream from %s broke: %s", inst.url, exc)
-                    err = {
-                        "error": {
-                            "message": f"upstream instance failed mid-stream: {exc}",
-                            "type": "ServiceUnavailableError",
-                            "param": None,
-                            "code": 503,
-                        }
-                    }
-                    chunk = f"data: {json.dumps(err)}\n\n".encode()
+                    chunk = stream_error_chunk(f"upstream instance failed mid-stream: {exc}")
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 ended = True
                 await send({"type": "http.response.body", "body": b""})
@@ -349,8 +300,7 @@ class Forwarder:
                 m.running.set(inst.running_requests)
                 resp.release() if complete else resp.close()
                 self.metrics.stage_relay.observe(time.perf_counter() - t0)
-                if self.on_done:
-                    self.on_done(decision, inst.url)
+                request.ended(inst.url)
             if complete:
                 self._finish(inst, resp.status, bytes(tail), decision, streaming=True)
 

@@ -8,12 +8,15 @@ explains is what a forwarded request gets.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from router.decision.decide import RouteDecision
-from router.fleet.admission import Rejected, rejected_reply
-from router.fleet.models import unknown_model_reply
-from router.http.forward import Reply, error_reply
+from router.decision.request import RoutedRequest
+from router.fleet.admission import Rejected
+from router.http.replies import Reply, error_reply, rejected_reply, unknown_model_reply
+
+if TYPE_CHECKING:
+    from router.dashboard import Dashboard
+    from router.state import RouterState
 
 __all__ = ["HeaderView", "route_request"]
 
@@ -36,18 +39,18 @@ class HeaderView:
 
 
 async def route_request(
-    state: Any,
+    state: RouterState,
     data: dict[str, Any],
     kind: str,
     headers: list[tuple[bytes, bytes]],
     *,
     forward: bool = True,
-    dashboard: Any = None,
-) -> RouteDecision | Reply:
-    """The decision for a request, or the reply that ends it here (404, 429, 503).
+    dashboard: Dashboard | None = None,
+) -> RoutedRequest | Reply:
+    """The request's decision, or the reply that ends it here (404, 429, 503).
 
-    With ``forward`` the request holds an admission ticket (``decision.ticket``) until
-    its forward starts: the caller releases it if none does."""
+    With ``forward`` the request holds an admission ticket (``RoutedRequest.ticket``)
+    until its forward starts: the caller ``release``s it if none does."""
     model = data.get("model")
     pool = state.models.pool(model, state.registry.healthy(), state.registry.all())
     if pool is None:
@@ -71,7 +74,8 @@ async def route_request(
             ticket.release()  # not routed: none healthy, an error, the client gone
     if decision is None:
         return error_reply("no healthy instance", 503, "ServiceUnavailableError")
-    decision.ticket, decision.pool, decision.lora = ticket, pool, lora
     if forward and dashboard is not None:
         dashboard.record(decision, kind)
-    return decision
+    return RoutedRequest(
+        decision, state.router, pool=pool, lora=lora, ticket=ticket, admission=state.admission
+    )

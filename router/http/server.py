@@ -23,10 +23,10 @@ __all__ = ["build_app", "serve"]
 
 def quiet_gc() -> None:
     """Keep the cyclic GC off the request path. Every forward allocates a few hundred
-    tracked objects, so the default thresholds ran a full collection every few seconds
-    under load, each scanning the whole heap (100-330 ms pauses on the overhead benchmark:
-    the p99). Freezing what start-up built (modules, app, settings: ~90k objects) takes it
-    out of every later scan; larger thresholds make young collections rarer."""
+    tracked objects, so the default thresholds would run a full collection every few
+    seconds under load, each scanning the whole heap (the p99 of the overhead benchmark).
+    Freezing what start-up built (modules, app, settings) takes it out of every later
+    scan; larger thresholds make young collections rarer."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(10_000, 20, 50)

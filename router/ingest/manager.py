@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import KW_ONLY, InitVar, dataclass, field
 
 from prometheus_client import CollectorRegistry
@@ -17,6 +16,7 @@ from router.decision.layout import InstanceLayout, LayoutRegistry
 from router.index.base import BlockIndex
 from router.ingest.ahead import ReadAhead
 from router.ingest.checks import impossible, plausible_ts
+from router.ingest.listener import IngestListener
 from router.ingest.metrics import IngestMetrics
 from router.ingest.sources import EventSource, Feed, InstanceSource, SourceFactory
 
@@ -41,12 +41,9 @@ class IngestManager:
     # round trip each, small enough that waiters and lag see progress every few ms.
     drain_batches: int = 64
     drain_blocks: int = 16_384
-    # Called with the instance name after its batches were applied (the router hands
-    # speculative residency over to the index there).
-    on_applied: Callable[[str], None] | None = field(default=None, init=False)
-    # Called with the instance name and each batch as it is learned from (the router's
-    # eviction tracker reads memory pressure there).
-    on_batch: Callable[[str, KVEventBatch], None] | None = field(default=None, init=False)
+    # Told of each batch before it is applied and of each applied run (predict-on-route
+    # hands its settled predictions over to the index there; memory pressure is read).
+    listener: IngestListener | None = None
     metrics: IngestMetrics = field(init=False)
     _feeds: dict[str, Feed] = field(default_factory=dict, init=False, repr=False)
     _beat: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
@@ -290,8 +287,8 @@ class IngestManager:
                 self._count(feed, recs[k], batches[k], status[k])
             counted = upto
             if failed is None:
-                if self.on_applied is not None:
-                    self.on_applied(feed.source.name)
+                if self.listener is not None:
+                    self.listener.batch_applied(feed.source.name)
                 return False
             if await self._resync(feed):
                 return True
@@ -325,8 +322,8 @@ class IngestManager:
             try:
                 if self.layouts.observe(name, batch):
                     learned = self.layouts.learned(name)
-                if self.on_batch is not None:
-                    self.on_batch(name, batch)
+                if self.listener is not None:
+                    self.listener.batch_learned(name, batch)
             except Exception:  # never let odd geometry stop the feed; the index still learns
                 self.metrics.errors.labels(name).inc()
                 log.exception("%s: cannot learn from batch %d", name, seq)

@@ -4,7 +4,7 @@ The cost policy asks because what a continuation's move costs depends on it. On 
 with room, staying costs only queueing: its prefix stays cached and nothing else is pushed
 out, while a move recomputes the prefix elsewhere and stores a second copy. On a holder
 that is evicting, staying pushes out other conversations, so there the policy spreads as
-before (``router.policy``). vLLM frees a finished request's blocks into a queue where they
+before (``router.decision.policy``). vLLM frees a finished request's blocks into a queue where they
 stay cached, and publishes ``BlockRemoved`` only when it evicts one to make room; so a GPU
 ``BlockRemoved`` is exactly the sign of memory pressure, read from the events the router
 already ingests.

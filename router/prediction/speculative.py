@@ -16,9 +16,8 @@ an entry outliving it could credit blocks the engine has since evicted (that evi
 comes in such a batch). ``ttl_s`` bounds an entry's life in any case; an answered
 request whose TTL passes before that batch is released then (an instance may publish none).
 
-Layout, chosen for the request path (it ran on every request and was a quarter of the
-router's CPU when it kept one entry per block with per-block renewal): per instance, one
-refcount dict per *class* -- the groups that hold the same blocks of a prompt (every
+Layout, chosen for the request path (it runs on every request): per instance, one
+refcount table per *class* -- the groups that hold the same blocks of a prompt (every
 full-attention group: the whole prompt; the sliding-window groups: their tails). A
 request adds 1 to the count of each of its blocks and takes it back once, when it is
 released or expires; a block is held while its count is positive. Every step runs as a
@@ -27,8 +26,8 @@ attention) holds a union of hash chains, which is closed under prefixes -- a cha
 names its whole prefix -- so what it holds of a query is a prefix, found by bisection in
 a handful of lookups; the other classes (a few blocks per request) by one membership pass.
 The refcounts live in ``router._refcounts.RefCounts`` (C, open addressing, 16 bytes an
-entry) where it was built, else in ``PyRefCounts`` (a dict, the reference): with ~100k
-entries (16 clients, no events) the dict's boxed ints made every pass cache-bound.
+entry) where it was built, else in ``PyRefCounts`` (a dict, the reference, same answers).
+Why this shape: docs/design/cost-policy.md.
 """
 
 from __future__ import annotations

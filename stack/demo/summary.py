@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from router.decision.policy.cost import make_policy
+from router.decision.policy import make_policy
 from stack.demo.config import RequestRecord
 
 

@@ -10,7 +10,7 @@ from bench.replay.peer_models import SglangCacheAwareModel, VllmKvAwareModel
 from bench.replay.suite import interval, run_suite
 from bench.replay.suite_workloads import SUITE, agent_chat, agent_chat_real_shape
 from bench.replay.trace import TRACE_BLOCK_TOKENS, prompt_text
-from router.decision.policy.cost import Candidate
+from router.decision.policy import Candidate
 
 
 def test_generators_are_deterministic_and_share_whole_blocks():

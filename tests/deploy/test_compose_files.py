@@ -155,7 +155,7 @@ def test_engines_publish_events_and_replay_on_all_interfaces(parsed):
 
 
 def test_router_instances_name_engine_services_ports_and_endpoints(parsed):
-    from router.config import parse_instance
+    from router.fleet.specs import parse_instance
 
     engines = _by_kind(parsed, "engine")
     routers = _by_kind(parsed, "router")
@@ -359,7 +359,7 @@ def test_local_stack_uses_host_networking_loopback_and_distinct_ports(local, loc
 
 
 def test_local_routers_follow_every_engine_as_it_publishes(local, local_parsed):
-    from router.config import parse_instance
+    from router.fleet.specs import parse_instance
 
     engines = _by_kind(local_parsed, "engine")
     services = local["services"]

@@ -144,7 +144,7 @@ async def test_router_only_forwards_to_registered_instances(edge):
     assert trap.connections == 0
     forwarded = [a for a in answers if "x-kvroute-instance" in a.headers]
     # The two bodies naming the trap as their "model" name no served model: the router
-    # answers vLLM's 404 itself (router.models) and forwards nothing.
+    # answers vLLM's 404 itself (router.fleet.models) and forwards nothing.
     refused = [a for a in answers[: len(bodies)] if a.status_code == 404]
     assert len(refused) == 2 and all("does not exist" in a.text for a in refused)
     assert len(forwarded) == len(bodies) + len(headers) - 2

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from router.config import InstanceSpec
 from router.fleet.admission import AdmissionConfig, AdmissionController, Rejected, Ticket
 from router.fleet.instances import Instance
+from router.fleet.specs import InstanceSpec
 
 
 def _inst(name: str = "http://a:1") -> Instance:

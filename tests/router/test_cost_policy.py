@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from router.config import CostSettings
-from router.decision.policy.cost import Breakdown, Candidate, CostPolicy
+from router.decision.policy import Breakdown, Candidate, CostPolicy
 from router.decision.policy.fit import Backlog, TtftFit
 
 

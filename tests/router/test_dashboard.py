@@ -17,7 +17,7 @@ from kvtest import engines, send_turns, start_router, wait_until
 from router.dashboard.snapshot import Recorded, summarize_decision
 from router.dashboard.view import render_cards, render_table
 from router.decision.decide import RouteDecision
-from router.decision.policy.cost import Breakdown, Candidate, Decision
+from router.decision.policy import Breakdown, Candidate, Decision
 from router.fleet.engine_metrics import parse_engine_metrics
 
 SWA = ("--profile", "swa-hybrid", "--time-scale", "20")

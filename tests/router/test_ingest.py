@@ -105,7 +105,7 @@ async def test_batches_are_applied_in_order_and_counted_by_type_and_status():
 
 
 async def test_every_batch_reaches_the_eviction_tracker():
-    """Memory pressure is read from ingest's batches (``router.pressure``)."""
+    """Memory pressure is read from ingest's batches (``router.prediction.pressure``)."""
     from router.prediction.pressure import EvictionTracker
 
     idx, reg = MemoryIndex(), CollectorRegistry()
@@ -113,8 +113,15 @@ async def test_every_batch_reaches_the_eviction_tracker():
     b0 = batch(stored([1, 2]), ts=time.time())
     b1 = batch(removed([9]), ts=time.time())  # e2 evicted
     sources = Sources([got(0, b0)], [got(0, b0), got(1, b1)])
-    mgr = IngestManager(idx, registry=reg, source_factory=sources)
-    mgr.on_batch = tracker.observe
+
+    class Listener:  # router.ingest.IngestListener
+        def batch_learned(self, instance: str, b: KVEventBatch) -> None:
+            tracker.observe(instance, b)
+
+        def batch_applied(self, instance: str) -> None:
+            pass
+
+    mgr = IngestManager(idx, registry=reg, source_factory=sources, listener=Listener())
     await mgr.add_instance("e1", "tcp://x:1")
     await mgr.add_instance("e2", "tcp://x:2")
     await mgr.wait_for_seq("e1", 0)

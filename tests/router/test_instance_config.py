@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from router.config import parse_instance
+from router.fleet.specs import parse_instance
 
 
 def _cfg(**kw: object) -> str:
@@ -69,7 +69,7 @@ def test_declared_models_are_options_with_or_without_an_events_endpoint():
 
 
 def test_dp_ranks_follow_vllms_port_offsets_and_need_events_to_be_told_apart():
-    from router.config import rank_specs
+    from router.fleet.specs import rank_specs
 
     spec = parse_instance("http://h:8000=tcp://h:5557,replay=tcp://h:5600,dp=3,model=m")
     ranks = rank_specs(spec)

@@ -54,9 +54,9 @@ def test_the_router_feeds_the_tracker_from_ingest_and_the_cost_policy_reads_it()
     from router.state import RouterState
 
     state = RouterState(RouterSettings(policy="cost"))
-    tracker = state.router.evictions
-    assert tracker is not None and state.ingest.on_batch == tracker.observe
+    tracker = state.prediction.evictions
+    assert tracker is not None and state.ingest.listener is state.prediction
     assert state.policy.roomy == tracker.roomy
     off = RouterState(RouterSettings(policy="cost", eviction_window_s=0))
-    assert off.router.evictions is None and off.policy.roomy is None
-    assert RouterState(RouterSettings(policy="round_robin")).router.evictions is None
+    assert off.prediction.evictions is None and off.policy.roomy is None
+    assert RouterState(RouterSettings(policy="round_robin")).prediction.evictions is None

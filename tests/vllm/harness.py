@@ -34,6 +34,7 @@ from engine_adapter.vllm_cpu import (
     vllm_python,
 )
 from events.codec import DecodeError, decode_batch
+from events.publisher import END_SEQ, is_bind_endpoint
 from events.structs import BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from stack.procs import free_port, ipc_endpoint
 
@@ -64,7 +65,6 @@ logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parent.parent.parent
 LOOPBACK = "127.0.0.1"
-END_SEQ = b"\xff" * 8
 
 
 # ---- KV events config ----------------------------------------------------------------------
@@ -72,7 +72,7 @@ END_SEQ = b"\xff" * 8
 
 def vllm_binds(endpoint: str) -> bool:
     """vLLM's rule (``ZmqEventPublisher._is_bind_endpoint``): bind, else connect."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    return is_bind_endpoint(endpoint)
 
 
 def connect_mode_config(

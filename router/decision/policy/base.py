@@ -1,7 +1,7 @@
 """What every routing policy shares: ``Candidate`` in, ``Decision`` out, the ``Breakdown``
 of predicted TTFT terms, the raw ``CostRates`` and the ``Policy`` interface. Kept apart from
-the policies (``router.policy``) so those stay one module per concern; import them from
-there.
+the policies so those stay one module per concern; import them from
+``router.decision.policy``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ __all__ = ["Breakdown", "Candidate", "CostRates", "Decision", "Policy"]
 
 
 class Candidate(NamedTuple):
-    """One healthy instance as the policy sees it. A NamedTuple (immutable, like the frozen
-    dataclass it was) because a decision builds one per instance: ~4x cheaper."""
+    """One healthy instance as the policy sees it. Immutable; a NamedTuple because a
+    decision builds one per instance."""
 
     name: str
     gpu_tokens: int = 0  # predicted GPU prefix hit

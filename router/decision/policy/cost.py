@@ -1,135 +1,46 @@
-"""Routing policies: pick an instance from per-instance hits and load.
+"""The cost policy (``cost``, the default): sticky minimum-cost routing.
 
-``cost`` (default) ranks candidates by the prefill work a choice spends, stretched by the
-work it shares the engine with:
+Contract: ``choose`` ranks every candidate (the chosen one first, the rest as retry
+fallbacks) by the prefill work a choice spends, stretched by the work it shares the
+engine with, and never by list order:
 
     credited  = hit (GPU + CPU)
                 + junction_credit * (full-attention-only prefix - best hit anywhere)
     objective = fleet scale * (prompt - credited) * prefill rate
-                * (1 + requests there + others waiting) ** load_exponent   (1.5)
+                * (1 + requests there + others waiting) ** exponent
 
-The stretch is processor sharing (a prefill interleaved with n others takes ~(1+n) times
-as long) plus the slowdown it imposes on those n, discounted: 1 alone under-spreads
-memory-bound engines, 2 (vllm-router's) spreads conversations off their holders (the
-exponent was chosen on ``kvroute bench replay --suite``). A *continuation* -- a request
-whose prefix some instance holds almost whole (``continuation_fraction``, 0.9: the next
-turn of a conversation, an agent's next call) -- is stretched by ``continuation_exponent``
-(1) instead: its own prefill is a sliver, and moving it recomputes the whole prompt and
-evicts another engine's live conversations to make room. On memory-bound engines (suite
-workload (a), 10 seeds) this took reused tokens 55.3 -> 60.3% and TTFT p50/p90 103/343 ->
-94/316 ms; placements of mostly-new prompts keep the stronger spreading, which is what
-keeps the conversations per engine (and so its tail) balanced. On a holder with KV room
-(``roomy``: it evicted no GPU block lately, ``router.pressure``) staying evicts nothing,
-so a continuation there needs only ``roomy_continuation_fraction`` (0.7) of its prompt
-held and is stretched by ``roomy_continuation_exponent`` (0.5): on the real-vLLM harness's
-engines (``a_real_shape``, which never evict) reuse went 82.0 -> 84.5% and TTFT p50 2727
--> 2421 ms; memory-bound workloads ((a), (c), (e)) are unchanged, their holders evict.
-``full_tokens`` credits where the conversation lives even when a sliding-window or Mamba
-group cut this request's hit short: routing there re-creates the sparse state at the
-junction, so its next requests hit. Only the part beyond the best hit any candidate has
-now is credited: an instance that kept its window blocks still wins a one-off request
-(tests/e2e), unlike a full-attention-only view.
+``exponent`` is ``load_exponent`` for a mostly-new prompt and ``continuation_exponent``
+for a continuation (some instance holds ``continuation_fraction`` of it); on a holder with
+KV room (``roomy``, ``router.prediction.pressure``) the continuation thresholds are the
+``roomy_*`` ones. ``full_tokens`` is credited only beyond the best hit any candidate has
+now. Hysteresis: the holder of the longest credited prefix keeps the request while its
+objective is within ``1 + stick_margin`` of the best, unless the best-ranked candidate
+holds that prefix too. Ties: least load, then the fewest uncached tokens ``assigned``
+there lately (decayed, ``recent_half_life_s``), then at random. A softmax ``temperature``
+samples on the objective instead.
 
-Stickiness with hysteresis: the instance holding the longest credited prefix (the holder)
-keeps the request while its objective is within ``1 + stick_margin`` of the best one, so a
-conversation stays on its holder under moderate load and moves when the stretch of its
-queue outweighs its cache. Not when the best-ranked candidate holds that prefix too, in
-full attention at least (a shared system prompt whose Mamba or window state only the
-holder kept): going there moves no history -- vLLM resumes at its hit and keeps the sparse
-state at the junction for the requests after it -- so the objective alone decides. Suite
-(d), branching agents on a Mamba hybrid, 5 seeds: the margin had piled every new agent onto
-the one engine holding the system prompt's state (seed 0: 10 requests running there, its
-prefixes evicted before admission); 80.3 -> 82.7% reused, TTFT p50/p90 22/58 -> 17/46 ms
-(seeds 0-9: 80.4 -> 81.3%, 21/63 -> 19/58 ms), the other cells unchanged.
-
-Each candidate also gets a predicted TTFT (``Breakdown``): a remaining-work backlog
-(``cost_model.Backlog``: added at dispatch, drained at the fitted rate, retired at first
-byte), others' waiting requests (``engine_waiting`` minus our own in-flight ones, which it
-already counts), uncached prefill, CPU loads, prefill steps stretched by decode, and a
-per-instance fit ``fixed + scale * work + per_request * requests`` learned at decision time
-(``cost_model.TtftFit``, shrunk toward the fleet's fit while an instance has few points).
-The fleet's fitted scale converts the objective to seconds. ``/debug/route`` shows every
-term and ``Decision.reason`` (min_cost, sticky, sampled). Ties are broken by the least
-load, then by the fewest uncached tokens routed there lately (``assigned``: decayed with
-``recent_half_life_s``; what sglang-router's cache-aware policy reads as the smallest
-tree), then at random -- never by list order. A new conversation on an idle fleet thus
-goes where the fewest others were placed, whose cache and future turns it will share:
-on the suite (5 seeds) reuse on (a) went 56.7 -> 58.6% (p90 311 -> 301 ms) and on (e)
-38.3 -> 41.9% (p90 96 -> 79 ms), the rest unchanged (a first variant, counting at
-``choose``, gave the same figures for half-lives of 3, 10 and 30 s). An optional
-softmax temperature samples on the objective instead of taking the minimum.
-
-The ranking reads only the objective, a few operations per candidate. Each ``Breakdown``
-is worked out when first read (``Decision.breakdown`` is a lazy mapping: the chosen one's
-feeds the fit, the others only ``/debug/route`` and the dashboard), from what the decision
-saw: the candidate, its backlog as updated then, and the fits of that moment (``observe``
-replaces a fit rather than changing it in place).
-
-Baselines kept for benchmarks: ``round_robin``, ``least_loaded`` and ``prefix_full_only``
-(the cost policy fed by a scorer that ignores sliding-window and Mamba groups: what peer
-routers do today). Policies are pure (no I/O), so the simulator uses them unchanged.
+Each candidate also gets a predicted TTFT (``Breakdown``, lazy: ``Decision.breakdown``)
+from its backlog and its TTFT fit (``router.decision.policy.fit``), as of the decision;
+``observe`` feeds the fit after a first byte. Policies do no I/O, so the simulator runs
+them unchanged. Why these terms and constants: docs/design/cost-policy.md.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from router.config import POLICIES, CostSettings
+from router.config import CostSettings
 from router.decision.policy.base import Breakdown, Candidate, CostRates, Decision, Policy
 from router.decision.policy.fit import Backlog, TtftFit
 
-__all__ = [
-    "POLICIES",
-    "Breakdown",
-    "Candidate",
-    "CostPolicy",
-    "CostRates",
-    "Decision",
-    "LeastLoadedPolicy",
-    "Policy",
-    "RoundRobinPolicy",
-    "make_policy",
-]
+__all__ = ["CostPolicy"]
 
 
 _new = tuple.__new__  # a NamedTuple from a tuple, without its Python-level __new__
-
-
-def _load_key(c: Candidate) -> tuple[int, int, int]:
-    return (c.inflight_prefill_tokens, c.inflight_requests + c.engine_waiting, c.running_requests)
-
-
-class RoundRobinPolicy(Policy):
-    name = "round_robin"
-    uses_scores = False
-
-    def __init__(self) -> None:
-        self._counter = itertools.count()
-
-    def choose(self, candidates: Sequence[Candidate], num_prompt_tokens: int) -> Decision:
-        names = sorted(c.name for c in candidates)
-        start = next(self._counter) % len(names)
-        ranked = names[start:] + names[:start]
-        return Decision(ranked[0], ranked)
-
-
-class LeastLoadedPolicy(Policy):
-    name = "least_loaded"
-    uses_scores = False
-
-    def __init__(self, rng: random.Random | None = None) -> None:
-        self._rng = rng or random.Random()
-
-    def choose(self, candidates: Sequence[Candidate], num_prompt_tokens: int) -> Decision:
-        shuffled = list(candidates)
-        self._rng.shuffle(shuffled)  # equal load: random, not list order
-        ranked = [c.name for c in sorted(shuffled, key=_load_key)]
-        return Decision(ranked[0], ranked)
 
 
 @dataclass(slots=True)
@@ -162,7 +73,7 @@ class CostPolicy(Policy):
     ) -> None:
         """``settings``: the rates and the ranking's knobs (``router.config.CostSettings``,
         where their defaults and bounds are written); ``roomy``: instance -> it has KV room
-        (``router.pressure``), None: unknown."""
+        (``prediction.pressure``), None: unknown."""
         s = self.defaults = settings or CostSettings()
         self.temperature = temperature
         # Copied out of the settings: the ranking reads them per candidate.
@@ -452,23 +363,3 @@ class _Breakdowns(Mapping[str, Breakdown]):
 
     def __repr__(self) -> str:
         return f"_Breakdowns({dict(self)!r})"
-
-
-def make_policy(
-    name: str,
-    *,
-    temperature: float = 0.0,
-    settings: CostSettings | None = None,
-    clock: Callable[[], float] = time.monotonic,
-    rng: random.Random | None = None,
-) -> Policy:
-    """``prefix_full_only`` is the cost policy; the caller pairs it with a full-only scorer."""
-    if name in ("cost", "prefix_full_only"):
-        policy = CostPolicy(settings, temperature=temperature, clock=clock, rng=rng)
-        policy.name = name
-        return policy
-    if name == "round_robin":
-        return RoundRobinPolicy()
-    if name == "least_loaded":
-        return LeastLoadedPolicy()
-    raise ValueError(f"unknown policy {name!r}; expected one of {POLICIES}")
