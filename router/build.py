@@ -30,7 +30,7 @@ def instrument(index: BlockIndex, metrics: RouterMetrics) -> BlockIndex:
     """``index`` with its metrics exported in the router's registry (idempotent)."""
     if isinstance(index, InstrumentedIndex):
         return index
-    return InstrumentedIndex(index, IndexMetrics(metrics.registry))  # type: ignore[return-value]
+    return InstrumentedIndex(index, IndexMetrics(metrics.registry))
 
 
 def eviction_tracker(

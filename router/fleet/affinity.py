@@ -19,7 +19,7 @@ import collections
 import time
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -27,6 +27,12 @@ from router.config import SessionSettings
 from router.decision.policy import Decision
 
 __all__ = ["AffinityConfig", "SessionAffinity"]
+
+
+class HeaderLookup(Protocol):
+    """What the affinity reads of a request's headers: one by (lower-case) name."""
+
+    def get(self, name: str, default: str | None = None, /) -> str | None: ...
 
 
 # Its settings (defaults and bounds: ``router.config.SessionSettings``).
@@ -44,7 +50,7 @@ class SessionAffinity:
             ["outcome"], registry=registry or CollectorRegistry(),
         )  # fmt: skip
 
-    def session_key(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
+    def session_key(self, headers: HeaderLookup, body: Mapping[str, Any]) -> str | None:
         """The request's session: the header if set, else ``user`` when enabled."""
         if self._header:
             value = headers.get(self._header)
