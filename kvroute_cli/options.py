@@ -22,13 +22,13 @@ import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import annotated_types
 import typer
-from pydantic import BaseModel
-from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
+
+if TYPE_CHECKING:  # pydantic is imported with the settings models, when a command is built
+    from pydantic import BaseModel
+    from pydantic.fields import FieldInfo
 
 __all__ = [
     "Flag",
@@ -60,12 +60,16 @@ def _plain(annotation: Any) -> tuple[Any, bool]:
 
 
 def _section(annotation: Any) -> type[BaseModel] | None:
+    from pydantic import BaseModel
+
     plain, _ = _plain(annotation)
     return plain if isinstance(plain, type) and issubclass(plain, BaseModel) else None
 
 
 def _bounds(info: FieldInfo) -> list[tuple[str, Any]]:
     """The field's bounds as (operator, value): ``>=``, ``>``, ``<=``, ``<``."""
+    import annotated_types
+
     out: list[tuple[str, Any]] = []
     for m in info.metadata:
         if isinstance(m, annotated_types.Ge):
@@ -113,6 +117,8 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
 
 
 def _default_text(info: FieldInfo) -> str:
+    from pydantic_core import PydanticUndefined
+
     if info.default_factory is not None:
         value: Any = info.default_factory()  # type: ignore[call-arg]  # no-arg factories only
     else:
