@@ -15,7 +15,7 @@ lint:
 bench-hash: setup
 	.venv/bin/kvroute bench hash
 
-# The Compose stack on this machine (docker/compose.local.yaml; README "Docker").
+# The Compose stack on this machine (docker/compose.local.yaml; docs/deployment.md).
 compose-up:
 	bash scripts/docker-stack.sh up
 

@@ -19,7 +19,9 @@ free port with persistence off, killed afterwards):
   hold the conversation, some have CPU copies; 20,000 unrelated blocks each) and
   ``adversarial`` (every instance holds a different prefix with CPU extensions);
 * memory: bytes per resident (instance, group, tier, block) entry (tracemalloc for the
-  memory index, ``INFO memory`` for Redis).
+  memory index, ``INFO memory`` for Redis);
+* with ``cluster``: the sharded index on a Redis Cluster beside one Redis node, ingest of
+  several instances at once and score latency (``bench.index_cluster``).
 """
 
 from __future__ import annotations
@@ -172,7 +174,7 @@ def _memory_bytes_per_entry(entries: int, seed: int) -> float:
 
 async def _bench(
     ingest_events: int, redis_events: int, memory_entries: int, repeats: int, noise: int,
-    use_redis: bool, seed: int,
+    use_redis: bool, seed: int, use_cluster: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     report: dict[str, Any] = {"targets": TARGETS}
     batches, n_events = ingest_workload(ingest_events, seed)
@@ -207,6 +209,12 @@ async def _bench(
                 lat = await _score_latency(r, prompt, list(per_inst), repeats)
                 report["score_redis"][name] = lat
                 await r.close()
+    if use_cluster:
+        from bench.index_cluster import cluster_vs_single
+
+        report["cluster"] = await cluster_vs_single(
+            redis_events, seed + 2, repeats, scenarios["shared-prefix"]
+        )
     return report
 
 
@@ -243,6 +251,22 @@ def _print(report: dict[str, Any]) -> None:
                     f"{lat['p50_ms']:.3f} / {lat['p90_ms']:.3f} / {lat['p99_ms']:.3f}",
                     target if scorer == "hybrid" else "-",
                 )
+    c = report.get("cluster")
+    if c:
+        n = c["cluster_instances"]
+        for backend in ("single", "cluster"):
+            label = "one Redis node" if backend == "single" else "Redis Cluster (3 masters)"
+            t.add_row(
+                f"ingest, {label}, {n} instances at once (block events/s)",
+                f"{c[f'ingest_{backend}_per_s']:,.0f}",
+                "-",
+            )
+            lat = c[f"score_{backend}"]
+            t.add_row(
+                f"score {label} shared-prefix hybrid (ms p50/p90/p99)",
+                f"{lat['p50_ms']:.3f} / {lat['p90_ms']:.3f} / {lat['p99_ms']:.3f}",
+                "-",
+            )
     Console().print(t)
 
 
@@ -290,6 +314,7 @@ def run(
     redis: bool = True,
     seed: int = 0,
     runs: int = 3,
+    cluster: bool = False,
 ) -> dict[str, Any]:
     """Run the index benchmarks ``runs`` times, print the medians, write ``out/index.json``
     (medians at the top level, each run under ``runs``); return the report."""
@@ -297,7 +322,16 @@ def run(
         raise ValueError("runs must be >= 1")
     each = [
         asyncio.run(
-            _bench(ingest_events, redis_events, memory_entries, repeats, noise_blocks, redis, seed)
+            _bench(
+                ingest_events,
+                redis_events,
+                memory_entries,
+                repeats,
+                noise_blocks,
+                redis,
+                seed,
+                cluster,
+            )
         )
         for _ in range(runs)
     ]

@@ -109,7 +109,7 @@ def wire_hash(h: bytes | bytearray | memoryview | int) -> int:
 
 def wire_hashes(digests: Sequence[bytes]) -> list[int]:
     """``wire_hash`` of each of a request's digests (all of one algorithm, so one length),
-    in one numpy pass: a Python call per block cost the router ~50 us per 8k-token prompt."""
+    in one numpy pass: a Python call per block would cost ~50 us per 8k-token prompt."""
     if not digests:
         return []
     n = len(digests[0])

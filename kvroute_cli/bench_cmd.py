@@ -70,6 +70,9 @@ def bench_index(
     redis: bool = typer.Option(True, help="Also benchmark Redis (private redis-server)."),
     seed: int = typer.Option(0),
     runs: int = typer.Option(3, min=1, help="Whole runs; every figure is their median."),
+    cluster: bool = typer.Option(
+        False, help="Also the sharded index on a private Redis Cluster beside one node."
+    ),
 ) -> None:
     """Index ingest rate, score latency (512 blocks x 32 instances) and bytes per entry."""
     from bench.index import run
@@ -83,6 +86,7 @@ def bench_index(
         redis=redis,
         seed=seed,
         runs=runs,
+        cluster=cluster,
     )
 
 

@@ -214,7 +214,10 @@ class RouterSettings(BaseSettings):
         "URL=<--kv-events-config JSON>[,model=NAME][,dp=N]; repeatable.",
         json_schema_extra={"flag": "instance"},
     )
-    index: str = Field("memory", description="memory | redis://... | rediss://... | unix://...")
+    index: str = Field(
+        "memory",
+        description="memory | redis://... | rediss://... | unix://... | redis+cluster://h:p,h:p",
+    )
     policy: PolicyName = Field("cost", description="The routing policy.")
     model: str = Field("kvroute-sim", description="Model name (namespaces the Redis index).")
     block_size: int = Field(16, gt=0, description="The engines' hash block size.")
@@ -265,9 +268,11 @@ class RouterSettings(BaseSettings):
     @classmethod
     def _index(cls, v: str) -> str:
         if v not in ("memory", "memory://") and not v.startswith(
-            ("redis://", "rediss://", "unix://")
+            ("redis://", "rediss://", "unix://", "redis+cluster://")
         ):
-            raise ValueError("index must be memory, redis://, rediss:// or unix://")
+            raise ValueError(
+                "index must be memory, redis://, rediss://, unix:// or redis+cluster://"
+            )
         return v
 
     @classmethod

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from events.hashing import native_hashing
+from events.native import native_paths
 from router.build import build_router, instrument
 from router.config import RouterSettings
 from router.decision.layout import LayoutRegistry, default_layout
@@ -46,7 +46,7 @@ class RouterState:
             ),
         )
         redis_opts: dict[str, Any] = {}
-        if s.index.startswith(("redis://", "rediss://", "unix://")):
+        if s.index.startswith(("redis://", "rediss://", "unix://", "redis+cluster://")):
             redis_opts = {"model": s.model, "hash_algo": s.hash_algo, "hash_seed": s.seed}
             if s.redis.block_ttl_s:
                 redis_opts["block_ttl_s"] = s.redis.block_ttl_s
@@ -109,12 +109,14 @@ class RouterState:
             await self.add_instance(parse_instance(text), probe=False)
         await self.registry.start()
         self._layout_task = asyncio.create_task(self._share_layouts(), name="layouts")
+        paths = native_paths()
         log.info(
-            "router: %d instances, policy %s, index %s, block hashing %s",
+            "router: %d instances, policy %s, index %s; native: %s; pure Python: %s",
             len(self.registry.all()),
             self.policy.name,
             self.settings.index,
-            "native" if native_hashing() else "pure Python (events._native not built)",
+            ", ".join(n for n, ok in paths.items() if ok) or "none",
+            ", ".join(n for n, ok in paths.items() if not ok) or "none",
         )
 
     async def stop(self) -> None:

@@ -104,13 +104,13 @@ rm -rf docker/wheelhouse/base docker/wheelhouse/engine
 cp -al "$WHEELS/base" "$WHEELS/engine" docker/wheelhouse/ 2>/dev/null \
   || cp -a "$WHEELS/base" "$WHEELS/engine" docker/wheelhouse/
 
-# The kvroute wheel, built here where a C compiler and OpenSSL's headers are (the build
-# stages have neither, and build offline): the images then carry the native block hasher.
+# The kvroute wheel, built here where a C compiler and OpenSSL's headers are (offline
+# builds cannot install a compiler in the build stage): the images carry the C extensions.
 rm -f docker/dist/kvroute-*.whl
 if ! "$PY" -m pip wheel -q --no-deps -w docker/dist . >"$KVR_CACHE/logs/kvroute-wheel.log" 2>&1; then
   rm -f docker/dist/kvroute-*.whl
   kvr_log "could not build the kvroute wheel here (log: $KVR_CACHE/logs/kvroute-wheel.log);" \
-    "the images build their own, without the native hasher"
+    "the images build their own (their build stage installs a compiler: needs the network)"
 fi
 
 # ---- images -------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.kvroute-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ events/_native.c -nt "$stamp" ] || [ router/_refcounts.c -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ events/_native.c -nt "$stamp" ] || [ router/_refcounts.c -nt "$stamp" ] || [ router/index/_memindex.c -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # The CPU build of torch first, so the engine extra's torch requirement never pulls CUDA wheels.
   .venv/bin/python -m pip install -q "torch==2.13.0"

@@ -1,7 +1,8 @@
 """Block index: which instance holds which block, per KV cache group and tier.
 
 ``open_index(url)`` picks the backend: ``None``/``memory://`` -> ``MemoryIndex`` (embedded
-default), ``redis://``, ``rediss://``, ``unix://`` -> ``RedisIndex`` (shared by routers).
+default), ``redis://``, ``rediss://``, ``unix://`` -> ``RedisIndex`` (shared by routers),
+``redis+cluster://host:port,...`` -> ``RedisClusterIndex`` (shared, sharded by instance).
 """
 
 from __future__ import annotations
@@ -45,4 +46,11 @@ def open_index(url: str | None = None, **redis_options: Any) -> BlockIndex:
         from router.index.redis_index import RedisIndex
 
         return RedisIndex(url, **redis_options)
-    raise ValueError(f"unsupported index URL {url!r}: use memory://, redis://, rediss://, unix://")
+    if url.startswith("redis+cluster://"):
+        from router.index.redis_cluster import RedisClusterIndex
+
+        return RedisClusterIndex(url, **redis_options)
+    raise ValueError(
+        f"unsupported index URL {url!r}: use memory://, redis://, rediss://, unix://, "
+        "redis+cluster://"
+    )

@@ -2,24 +2,16 @@
 
 Layout, chosen for bytes per entry and O(1) per event block:
 
-* ``_blocks: dict[hash, int]`` -- one entry per distinct wire hash; the value is a bitset
-  over *columns*, a column being one (instance, slot) pair. Bitset ints are interned, so
-  the many blocks sharing a holder set share one int object.
+* the block table (``router.index.table``): per distinct wire hash a bitset over
+  *columns*, a column being one (instance, slot) pair, plus the repeats vLLM's duplicate
+  physical blocks cause. The C table (``router.index._memindex``) owns that storage where
+  it is built; ``PyBlockTable`` is the reference with the same API;
 * ``_logs[col]: array('Q')`` -- the reverse index: hashes the column ever stored (8 bytes
-  each), compacted when more than half are stale. Clearing an instance walks only its logs.
-* ``_dups: dict[(hash, col), extra]`` -- refcounts above 1 (vLLM does not deduplicate
-  physical blocks); rare, so it costs nothing when unused.
+  each), compacted when more than half are stale. Clearing an instance walks only its logs;
+* per instance its columns and cursor.
 
-Lookups OR the positions of each run of one holder set into its columns' masks; numpy
-transposes the per-block bitsets instead when residency is fragmented. Where the optional
-C extension is built (``events._native.column_masks``; ``KVROUTE_NO_NATIVE=1`` turns it
-off) the same runs and ORs are done there, on 64-bit words: a lookup over 32 instances
-was ~30 us of Python steps per (run, column) pair and per column. Same answer.
-
-Events are applied there too (``index_store``, ``index_remove``, ``index_compact``: the
-same dict steps in one C loop per event; ``_remove_py`` and the loops below are the
-reference): under an engine's eviction churn, storing, removing and compacting logs in
-Python was a fifth of the router's CPU, more than the decisions.
+Lookups are the table's: each run of positions sharing one holder set ORed into its
+columns' masks.
 """
 
 from __future__ import annotations
@@ -28,46 +20,18 @@ import heapq
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import groupby, repeat
 from typing import Any
 
-from events.native import native
 from events.structs import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from router.index.base import (
-    ApplyResult,
-    Residency,
-    SeqBatch,
-    columns_from_rows,
-    slot_of,
-    tier_of,
-    to_wire,
-)
+from router.index.base import ApplyResult, Residency, SeqBatch, slot_of, tier_of, to_wire
+from router.index.table import block_table
 
 __all__ = ["MemoryIndex"]
 
-# None where the extension is not built, is off, or was built before it had the function
-_column_masks: Any = getattr(native, "column_masks", None)
-_index_store: Any = getattr(native, "index_store", None)
-_index_remove: Any = getattr(native, "index_remove", None)
-_index_compact: Any = getattr(native, "index_compact", None)
-
 _INTERN_MAX = 1 << 16
-# Lookups OR each run's positions into the columns of its holder set, a Python step per
-# (holder set, column) pair; past this many pairs numpy's transpose is cheaper.
-_RUN_BITS_MAX = 2048
 # Holder sets whose columns a lookup remembers (few recur: blocks sharing a holder set
 # share one interned bitset); past this many the memo starts again.
 _MEMBERS_MAX = 4096
-
-
-def _columns(bits: int) -> tuple[int, ...]:
-    """The columns of a holder set, ascending."""
-    out = []
-    while bits:
-        low = bits & -bits
-        out.append(low.bit_length() - 1)
-        bits ^= low
-    return tuple(out)
 
 
 @dataclass(slots=True)
@@ -80,18 +44,16 @@ class _Instance:
 class MemoryIndex:
     """Process-local ``BlockIndex``; sync ``*_sync`` methods are the fast paths."""
 
-    def __init__(self) -> None:
-        self._blocks: dict[int, int] = {}
-        self._dups: dict[tuple[int, int], int] = {}
-        self._ints: dict[int, int] = {}
+    def __init__(self, *, native: bool | None = None) -> None:
+        """``native``: None takes the C block table where it is built; False/True force
+        the reference / the C table (tests compare the two)."""
+        self._table = block_table(_MEMBERS_MAX, native=native)
         self._logs: list[array | None] = []
         self._live: list[int] = []
         self._owner: list[tuple[str, int] | None] = []
         self._free: list[int] = []
         self._inst: dict[str, _Instance] = {}
         self._layouts: dict[str, dict[str, Any]] = {}
-        # holder set (a bitset of columns) -> its columns: pure, so never stale
-        self._members: dict[int, tuple[int, ...]] = {}
 
     # ---- protocol (async wrappers) -----------------------------------------------------
 
@@ -174,8 +136,7 @@ class MemoryIndex:
                 res.cleared += self._drop(st)
         if seq is not None:
             st.cursor = (batch.ts, seq)
-        if len(self._ints) > _INTERN_MAX:
-            self._ints.clear()  # only loses sharing for future bitsets
+        self._table.trim_interned(_INTERN_MAX)
         return res
 
     def clear_sync(self, instance: str) -> None:
@@ -202,45 +163,23 @@ class MemoryIndex:
         return col
 
     def _store(self, col: int, hashes: Iterable[Any]) -> int:
-        if _index_store is not None and type(hashes) is list:
-            got = _index_store(self._blocks, self._ints, self._dups, col, hashes)
-            if got is not None:  # else a hash to convert: the Python path below
-                n: int = got[0]
-                fresh: bytes = got[1]
-                log = self._logs[col]
-                assert log is not None
-                log.frombytes(fresh)
-                self._live[col] += len(fresh) // 8
-                return n
-        bit = 1 << col
-        blocks = self._blocks
-        get = blocks.get
-        canon = self._ints.setdefault
+        got = self._table.store(col, hashes)
+        if got is None:  # not all wire ints: convert, then the same call
+            got = self._table.store(col, [to_wire(h) for h in hashes])
+            assert got is not None  # every hash a wire int now
+        n, fresh = got
         log = self._logs[col]
         assert log is not None
-        append = log.append
-        new = n = 0
-        for h in hashes:
-            if type(h) is not int or h < 0 or h >> 64:
-                h = to_wire(h)
-            n += 1
-            v = get(h, 0)
-            if v & bit:
-                key = (h, col)
-                self._dups[key] = self._dups.get(key, 0) + 1
-            else:
-                v |= bit
-                blocks[h] = canon(v, v)
-                append(h)
-                new += 1
-        self._live[col] += new
+        log.frombytes(fresh)
+        self._live[col] += len(fresh) // 8
         return n
 
     def _remove(self, col: int, hashes: Iterable[Any]) -> int:
-        got = None
-        if _index_remove is not None and type(hashes) is list:
-            got = _index_remove(self._blocks, self._ints, self._dups, col, hashes)
-        done, released = got if got is not None else self._remove_py(col, hashes)
+        got = self._table.remove(col, hashes)
+        if got is None:
+            got = self._table.remove(col, [to_wire(h) for h in hashes])
+            assert got is not None  # every hash a wire int now
+        done, released = got
         if released:
             self._live[col] -= released
             log = self._logs[col]
@@ -249,50 +188,13 @@ class MemoryIndex:
                 self._compact(col)
         return done
 
-    def _remove_py(self, col: int, hashes: Iterable[Any]) -> tuple[int, int]:
-        """``_remove``'s dict steps (``events._native.index_remove`` is the same in C):
-        (hashes the column held, those it no longer holds)."""
-        bit = 1 << col
-        blocks = self._blocks
-        get = blocks.get
-        canon = self._ints.setdefault
-        dups = self._dups
-        done = released = 0
-        for h in hashes:
-            if type(h) is not int or h < 0 or h >> 64:
-                h = to_wire(h)
-            v = get(h, 0)
-            if not v & bit:
-                continue
-            done += 1
-            if dups:
-                key = (h, col)
-                extra = dups.get(key)
-                if extra:
-                    if extra == 1:
-                        del dups[key]
-                    else:
-                        dups[key] = extra - 1
-                    continue
-            v ^= bit
-            if v:
-                blocks[h] = canon(v, v)
-            else:
-                del blocks[h]
-            released += 1
-        return done, released
-
     def _compact(self, col: int) -> None:
         """Rewrite a column's log without stale or repeated hashes (amortised O(1))."""
         log = self._logs[col]
         assert log is not None
-        if _index_compact is not None:
-            fresh = array("Q")
-            fresh.frombytes(_index_compact(self._blocks, col, log))
-            self._logs[col] = fresh
-            return
-        bit, get = 1 << col, self._blocks.get
-        self._logs[col] = array("Q", dict.fromkeys(h for h in log if get(h, 0) & bit))
+        fresh = array("Q")
+        fresh.frombytes(self._table.compact(col, log))
+        self._logs[col] = fresh
 
     def _drop(self, st: _Instance) -> int:
         """Drop the instance's columns: O(entries they ever logged)."""
@@ -304,23 +206,9 @@ class MemoryIndex:
         return n
 
     def _drop_column(self, col: int) -> None:
-        bit = 1 << col
-        blocks = self._blocks
-        get = blocks.get
-        canon = self._ints.setdefault
         log = self._logs[col]
         assert log is not None
-        for h in log:
-            v = get(h, 0)
-            if v & bit:
-                v ^= bit
-                if v:
-                    blocks[h] = canon(v, v)
-                else:
-                    del blocks[h]
-        if self._dups:
-            for key in [k for k in self._dups if k[1] == col]:
-                del self._dups[key]
+        self._table.drop(col, log)
         self._logs[col] = None
         self._live[col] = 0
         self._owner[col] = None
@@ -339,69 +227,12 @@ class MemoryIndex:
                 st = inst.get(name)
                 if st is not None:
                     keep |= st.mask
-        if _column_masks is not None and type(block_hashes) is list:
-            fast: dict[str, Residency] | None = _column_masks(
-                self._blocks, block_hashes, keep, self._members, _columns, _MEMBERS_MAX,
-                self._owner,
-            )  # fmt: skip
-            if fast is not None:  # None: not all exact ints
-                return fast
-        get = self._blocks.get
-        try:
-            vals = list(map(get, block_hashes, repeat(0, len(block_hashes))))
-        except TypeError:  # unhashable digests: normalise once
-            vals = [get(to_wire(h), 0) for h in block_hashes]
-        # A prompt's positions fall into few runs of one holder set (a bitset of columns):
-        # each run's positions as one mask, ORed per holder.
-        runs: dict[int, int] = {}
-        start = 0
-        for v, same in groupby(vals):
-            k = len(list(same))
-            if v:
-                runs[v] = runs.get(v, 0) | (((1 << k) - 1) << start)
-            start += k
-        if not runs:
-            return {}
-        if sum(v.bit_count() for v in runs) <= _RUN_BITS_MAX:
-            cols: dict[int, int] = {}
-            members = self._members
-            for v, positions in runs.items():
-                v &= keep
-                each = members.get(v)
-                if each is None:  # a holder set's columns, worked out once per set
-                    if len(members) >= _MEMBERS_MAX:
-                        members.clear()
-                    each = members[v] = _columns(v)
-                if not cols:  # the first run (often the widest: a shared prefix), in C
-                    cols = dict.fromkeys(each, positions)
-                    continue
-                for col in each:  # each column of the holder set gets the run's positions
-                    cols[col] = cols.get(col, 0) | positions
-        else:  # fragmented residency: many holder sets, transposed at once with numpy
-            cols = self._transpose(vals, runs.keys(), keep)
-        out: dict[str, Residency] = {}
-        owner = self._owner
-        for col, mask in cols.items():
-            who = owner[col]
-            if who is None:
-                continue
-            name, slot = who
-            res = out.get(name)
-            if res is None:
-                out[name] = {slot: mask}
-            else:
-                res[slot] = mask
+        hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
+        out = self._table.lookup(hashes, keep, self._owner)
+        if out is None:  # not all wire ints: convert, then the same call
+            out = self._table.lookup([to_wire(h) for h in hashes], keep, self._owner)
+            assert out is not None  # every hash a wire int now
         return out
-
-    @staticmethod
-    def _transpose(vals: list[int], holders: Iterable[int], keep: int) -> dict[int, int]:
-        """Per column, the mask of the positions whose holder set has it (``keep`` only)."""
-        # Row width: the highest column reported (the largest bitset holds it).
-        width = ((max(holders) if keep == -1 else keep).bit_length() + 7) // 8 or 1
-        rows = {v: (v & keep).to_bytes(width, "little") for v in holders}
-        rows[0] = bytes(width)
-        buf = b"".join(map(rows.__getitem__, vals))
-        return columns_from_rows(buf, len(vals), width, None, "little")
 
     # ---- introspection (tests, benchmarks, /dashboard) ---------------------------------
 
@@ -418,8 +249,18 @@ class MemoryIndex:
 
     def stats(self) -> dict[str, int]:
         return {
-            "blocks": len(self._blocks),
+            "blocks": len(self._table),
             "entries": sum(self._live),
             "columns": sum(1 for o in self._owner if o is not None),
-            "duplicates": sum(self._dups.values()),
+            "duplicates": self._table.duplicates(),
         }
+
+    def holders(self, h: int) -> int:
+        """The bitset of the columns holding wire hash ``h`` (tests, introspection)."""
+        return self._table.holders(h)
+
+    def snapshot(self) -> tuple[dict[int, int], dict[tuple[int, int], int], list, list[int]]:
+        """The whole state, copied: blocks, repeats, logs, live counts (tests)."""
+        blocks, dups = self._table.snapshot()
+        logs = [None if log is None else log.tolist() for log in self._logs]
+        return blocks, dups, logs, list(self._live)

@@ -288,15 +288,10 @@ class RedisIndex:
         return float(ts), int(seq)
 
     async def put_layout(self, instance: str, layout: dict[str, Any] | None) -> None:
-        key = f"{self.prefix}:layouts"
-        if layout is None:
-            await self.redis.hdel(key, instance)
-        else:
-            await self.redis.hset(key, instance, json.dumps(layout))
+        await put_layout(self.redis, self.prefix, instance, layout)
 
     async def get_layouts(self) -> dict[str, dict[str, Any]]:
-        raw = await self.redis.hgetall(f"{self.prefix}:layouts")
-        return {_text(k): json.loads(v) for k, v in raw.items()}
+        return await get_layouts(self.redis, self.prefix)
 
     async def close(self) -> None:
         if self._reclaimer is not None and not self._reclaimer.done():
@@ -335,6 +330,23 @@ class RedisIndex:
             entries += await self.redis.hlen(key)
         dead = await self.redis.llen(f"{self.prefix}:dead")
         return {"blocks": blocks, "entries": entries, "dead_columns": dead}
+
+
+async def put_layout(
+    client: Any, prefix: str, instance: str, layout: dict[str, Any] | None
+) -> None:
+    """Share (None: forget) an instance's layout under ``prefix`` (``client``: a Redis or
+    a RedisCluster client: one key, one slot)."""
+    key = f"{prefix}:layouts"
+    if layout is None:
+        await client.hdel(key, instance)
+    else:
+        await client.hset(key, instance, json.dumps(layout))
+
+
+async def get_layouts(client: Any, prefix: str) -> dict[str, dict[str, Any]]:
+    raw = await client.hgetall(f"{prefix}:layouts")
+    return {k.decode(): json.loads(v) for k, v in raw.items()}
 
 
 def _result(r: list[Any]) -> ApplyResult:

@@ -33,8 +33,6 @@ Why this shape: docs/design/cost-policy.md.
 from __future__ import annotations
 
 import functools
-import importlib
-import os
 import time
 from array import array
 
@@ -43,6 +41,7 @@ from collections import _count_elements, deque  # type: ignore[attr-defined]
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from events.native import load
 from router.index.base import Residency, Tier, slot_of
 
 __all__ = ["Held", "PyRefCounts", "SpeculativeResidency", "refcounts_type"]
@@ -119,14 +118,9 @@ class PyRefCounts:
 
 def refcounts_type() -> type:
     """The table class the store uses: the C one unless it was not built or
-    ``KVROUTE_NO_NATIVE=1`` is set."""
-    if not os.environ.get("KVROUTE_NO_NATIVE"):
-        try:
-            table: type = importlib.import_module("router._refcounts").RefCounts  # C: no stub
-            return table
-        except ImportError:  # not built (no compiler): the reference, same answers
-            pass
-    return PyRefCounts
+    ``KVROUTE_NO_NATIVE=1`` is set (``events.native.load``)."""
+    mod = load("router._refcounts")
+    return mod.RefCounts if mod is not None else PyRefCounts
 
 
 class Held:

@@ -45,3 +45,20 @@ def test_bench_index_reports_the_median_of_its_runs_and_the_machine(tmp_path, ca
     assert written["ingest_memory_per_s"] == rates[1] == report["ingest_memory_per_s"]
     assert written["machine"]["cpus"] >= 1
     assert "median of 3 runs" in capsys.readouterr().out
+
+
+async def test_cluster_figures_beside_one_node_agree_with_the_memory_index(capsys):
+    """``--cluster``: both backends ingest several instances at once into the same state
+    as the memory index (``cluster_vs_single`` raises otherwise) and both score."""
+    import random
+
+    from bench.index import _populate
+    from bench.index_cluster import cluster_vs_single
+
+    scenario = _populate("shared-prefix", 8, 50, random.Random(0))
+    c = await cluster_vs_single(6000, seed=1, repeats=5, scenario=scenario)
+    for backend in ("single", "cluster"):
+        assert c[f"ingest_{backend}_per_s"] > 0
+        assert c[f"score_{backend}"]["p50_ms"] > 0
+    _print({"ingest_memory_per_s": 1.0, "memory_bytes_per_entry": 1.0, "cluster": c})
+    assert "Redis Cluster (3 masters)" in capsys.readouterr().out

@@ -55,10 +55,10 @@ def test_hysteresis_keeps_the_holder_within_the_margin_only():
 def test_no_hysteresis_toward_a_prefix_the_best_candidate_holds_in_full_attention():
     # A shared system prompt (2048 tokens) on a Mamba hybrid: the holder "h" has the hit
     # (its Mamba state at 2048), "a" the same blocks in full attention but no state there.
-    # h: 1252 uncached x 2^1.5 = 3541, a: 3300 x 1: within 1.25x, so hysteresis used to
+    # h: 1252 uncached x 2^1.5 = 3541, a: 3300 x 1: within 1.25x, where hysteresis would
     # keep h. Going to a moves nothing -- vLLM recomputes there and keeps the state at the
-    # junction for the next ones -- so the objective decides (suite (d), seed 0: every
-    # new agent piled onto the one engine with the state, 69 -> 81% reused).
+    # junction for the next ones -- so the objective decides; kept, every new agent would
+    # pile onto the one engine with the state (docs/benchmarks/2026-11-24-cost-policy-findings.md).
     h = Candidate("h", gpu_tokens=2048, full_tokens=2048, inflight_requests=1)
     a = Candidate("a", gpu_tokens=0, full_tokens=2048)
     d = policy().choose([h, a], 3300)

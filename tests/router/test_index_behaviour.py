@@ -1,5 +1,5 @@
-"""One behaviour suite for every ``BlockIndex`` backend (memory and Redis), plus the few
-behaviours only a shared Redis index has (namespaces, heartbeats, reclamation)."""
+"""One behaviour suite for every ``BlockIndex`` backend (memory, Redis, Redis Cluster), plus
+the few behaviours only a shared Redis index has (namespaces, heartbeats, reclamation)."""
 
 from __future__ import annotations
 
@@ -11,17 +11,30 @@ from collections import Counter
 import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
+from redis.crc import key_slot
 from redis.exceptions import ResponseError
 from routerkit import batch, new_namespace, positions, removed, stored
 
 from events.structs import AllBlocksCleared
 from router.index import MemoryIndex, Tier, open_index, slot_of
 from router.index.instrumented import IndexMetrics, InstrumentedIndex
+from router.index.redis_cluster import (
+    RedisClusterIndex,
+    parse_cluster_url,
+    shard_of,
+    shard_prefixes,
+)
 from router.index.redis_index import RedisIndex, namespace_for
 
 G0, G1 = slot_of(0, Tier.GPU), slot_of(1, Tier.GPU)
 C0, C1 = slot_of(0, Tier.CPU), slot_of(1, Tier.CPU)
 H = [1000 + i for i in range(64)]
+
+
+@pytest.fixture(params=["memory", "redis", "cluster"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Every test below taking ``index`` / ``make_index`` runs on each backend."""
+    return request.param
 
 
 async def test_stored_blocks_are_found_per_group_and_tier(index):
@@ -361,8 +374,62 @@ def test_open_index_picks_the_backend_from_the_url():
     assert isinstance(open_index("memory://"), MemoryIndex)
     for url in ("redis://h:1/0", "rediss://h:1/0", "unix:///tmp/x.sock"):
         assert isinstance(open_index(url), RedisIndex)
+    assert isinstance(open_index("redis+cluster://h:1,h:2"), RedisClusterIndex)
     with pytest.raises(ValueError):
         open_index("etcd://x")
+
+
+# ---- Redis Cluster backend ----------------------------------------------------------------
+
+
+def test_cluster_url_names_nodes_and_shards_and_rejects_the_rest():
+    assert parse_cluster_url("redis+cluster://a:1,b:2/?shards=6") == (
+        [("a", 1), ("b", 2)],
+        {"shards": "6"},
+    )
+    for bad in ("redis+cluster://a", "redis+cluster://a:1?x=1", "redis+cluster://a:1?shards=0"):
+        with pytest.raises(ValueError):
+            parse_cluster_url(bad)
+
+
+def test_cluster_shard_tags_fall_into_equal_slot_ranges():
+    """With shards a multiple of the masters, ``--cluster create``'s equal slot ranges give
+    every master the same number of shards."""
+    prefixes = shard_prefixes("kvr:{abc}", 6)
+    assert len(set(prefixes)) == 6
+    slots = [key_slot(p.encode()) for p in prefixes]
+    assert [s * 6 // 16384 for s in slots] == list(range(6))
+    assert all(p.startswith("kvr:{abc.") for p in prefixes)
+
+
+async def test_cluster_spreads_instances_over_every_master_one_shard_each(redis_cluster):
+    idx = RedisClusterIndex(redis_cluster.url, namespace=new_namespace())
+    try:
+        names = [f"inst{i}" for i in range(12)]
+        for i, name in enumerate(names):
+            await idx.apply(name, batch(stored(H[i : i + 4])))
+        assert idx.shards == 3  # one per master by default
+        assert {shard_of(n, idx.shards) for n in names} == {0, 1, 2}
+        masters = {redis_cluster.master_of(p + ":meta").port for p in idx._prefixes}
+        assert len(masters) == 3
+        res = await idx.lookup(H[:16])
+        assert sorted(res) == sorted(names)
+        assert all(positions(res[n][G0]) == list(range(i, i + 4)) for i, n in enumerate(names))
+    finally:
+        await idx.close()
+
+
+async def test_cluster_shard_count_is_fixed_by_the_first_router(redis_cluster):
+    ns = new_namespace()
+    first = RedisClusterIndex(redis_cluster.url + "/?shards=6", namespace=ns)
+    second = RedisClusterIndex(redis_cluster.url, namespace=ns)
+    try:
+        await first.apply("a", batch(stored(H[:2])))
+        assert (await second.lookup(H[:2])) == {"a": {G0: 0b11}}
+        assert first.shards == second.shards == 6
+    finally:
+        await first.close()
+        await second.close()
 
 
 def test_namespace_separates_models_hash_algorithms_and_seeds():

@@ -12,7 +12,7 @@ import pytest
 from routerkit import batch, need_native, removed, stored
 
 from events.structs import AllBlocksCleared
-from router.index import Tier, memory, slot_of
+from router.index import MemoryIndex, Tier, slot_of, table
 
 NAMES = [f"i{k}" for k in range(9)]
 POOL = [5000 + i for i in range(40)]
@@ -34,12 +34,13 @@ def model_lookup(model, hashes, instances):
 async def test_lookup_equals_a_naive_model_of_residency(index, path, monkeypatch):
     """The memory index ORs runs of one holder set, or transposes with numpy when
     residency is fragmented (``_RUN_BITS_MAX``), or does the runs in C where
-    ``events._native`` is built: every way, the model's answer."""
-    if path == "native":
-        need_native(memory._column_masks is not None, "events._native.column_masks")
-    else:
-        monkeypatch.setattr(memory, "_column_masks", None)
-        monkeypatch.setattr(memory, "_RUN_BITS_MAX", 2048 if path == "runs" else 0)
+    ``router.index._memindex`` is built: every way, the model's answer."""
+    if isinstance(index, MemoryIndex):
+        if path == "native":
+            need_native(table._native is not None, "router.index._memindex")
+        else:
+            monkeypatch.setattr(table, "_RUN_BITS_MAX", 2048 if path == "runs" else 0)
+        index = MemoryIndex(native=path == "native")
     rng = random.Random(7)
     model: dict[str, dict[int, Counter]] = {}
     for step in range(160):

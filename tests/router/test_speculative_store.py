@@ -107,7 +107,7 @@ def test_residency_matches_a_plain_model_under_random_operations(table: type) ->
 @pytest.mark.parametrize("table", TABLES)
 def test_a_released_request_leaves_no_group_behind(table: type) -> None:
     """Two requests sharing blocks under different groups: releasing one drops its groups
-    (the old per-block entries merged groups and kept them after a release)."""
+    (entries merged per block would keep them after a release, crediting those groups)."""
     spec = SpeculativeResidency(ttl_s=2.0, clock=Clock(), table=table)
     blocks = _chain(1, 4)
     before = spec.record("a", {0: blocks}, whole=0b1)  # assumed full attention in group 0
