@@ -10,7 +10,7 @@ test:
 	bash scripts/test.sh
 
 lint:
-	.venv/bin/ruff check . && .venv/bin/ruff format --check .
+	.venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/mypy
 
 bench-hash: setup
 	.venv/bin/kvroute bench hash

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_adapter.sim.settings import PROFILE_NAMES  # the names, with the engine's settings
 from events.groups import (
     KVCacheLayout,
     KVCacheSpec,
@@ -36,7 +37,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PROFILE_NAMES = ("full", "swa-hybrid", "mamba-hybrid", "gemma3", "gpt-oss", "qwen3-next", "llama")
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_SLIDING_WINDOW = 1024
 DEFAULT_PAGE_BYTES = 4096

@@ -26,11 +26,15 @@ import xxhash
 __all__ = ["ChainJob", "canonical_cbor", "hash_cbor_chain", "hash_chain_general", "sha256_digest"]
 
 
+# Token ids: a sequence of ints, or an integer numpy array (read in place).
+TokenIds = Sequence[int] | np.ndarray
+
+
 class ChainJob(NamedTuple):
     """A chain to hash: the first ``num_blocks`` full blocks of ``tokens`` from ``parent``,
     ``extra_keys[i]`` (vLLM's per-block keys) in block i's message."""
 
-    tokens: Sequence[int]
+    tokens: TokenIds
     block_size: int
     num_blocks: int
     parent: bytes
@@ -137,7 +141,7 @@ def _block_chunks(tokens: np.ndarray, block_size: int, num_blocks: int) -> tuple
     return _split(body, np.einsum("ij->i", sizes, dtype=np.int64))
 
 
-def _as_uint_array(token_ids: Sequence[int], n: int) -> np.ndarray | None:
+def _as_uint_array(token_ids: TokenIds, n: int) -> np.ndarray | None:
     """Token ids as a non-negative integer array, or None when some id is negative."""
     if isinstance(token_ids, np.ndarray):
         arr = token_ids[:n]

@@ -120,10 +120,10 @@ class ChatTemplate:
         """vLLM's normalized conversation for text messages; ``None`` for media parts.
 
         Raises ``TypeError`` for malformed messages (vLLM answers 400)."""
-        out = [m for m in (self._message(m) for m in messages)]
-        if any(m is None for m in out):
+        out = [self._message(m) for m in messages]
+        conv = [m for m in out if m is not None]
+        if len(conv) < len(out):
             return None
-        conv: list[dict[str, Any]] = out  # type: ignore[assignment]
         if not self._developer and any(m["role"] == "developer" for m in conv):
             conv = _fold_developer(conv)
         return conv
@@ -179,7 +179,7 @@ class ChatTemplate:
                 raise ChatTemplateError("continue_final_message excludes add_generation_prompt")
             conversation, final = self._tag_final(conversation)
         try:
-            text = self._template.render(
+            text: str = self._template.render(
                 messages=conversation,
                 tools=None,
                 documents=documents,
@@ -237,7 +237,8 @@ def _tool_call(call: Any) -> dict[str, Any]:
     else:
         parsed = args
     call["function"] = {**call["function"], "arguments": parsed if isinstance(parsed, dict) else {}}
-    return call
+    out: dict[str, Any] = call
+    return out
 
 
 def _fold_developer(conv: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ size).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import msgspec
 
@@ -190,6 +190,6 @@ def _build(kind: str, fields: dict[str, Any]) -> KVEvent:
         fields.setdefault(name, None)  # absent in old forms; vLLM's value then was None
     fields["type"] = kind
     try:
-        return msgspec.convert(fields, cls)
+        return cast("KVEvent", msgspec.convert(fields, cls))  # cls: one of KVEvent's members
     except msgspec.ValidationError as exc:
         raise DecodeError(f"bad {kind} event: {exc}") from exc

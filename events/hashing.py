@@ -22,7 +22,7 @@ from typing import Any, Literal
 import numpy as np
 import xxhash
 
-from events.cbor_chain import ChainJob, hash_cbor_chain, hash_chain_general
+from events.cbor_chain import ChainJob, TokenIds, hash_cbor_chain, hash_chain_general
 from events.cbor_chain import canonical_cbor as _cbor
 from events.cbor_chain import sha256_digest as _sha256
 from events.native import native
@@ -123,14 +123,16 @@ def wire_hashes_of(digests: bytes, digest_size: int) -> list[int]:
     """``wire_hashes`` of digests given back to back (``chain_digests``), ``digest_size``
     a multiple of 8: each digest's last 8 bytes, big-endian."""
     k = digest_size // 8
-    return np.frombuffer(digests, dtype=">u8")[k - 1 :: k].tolist()
+    hashes: list[int] = np.frombuffer(digests, dtype=">u8")[k - 1 :: k].tolist()
+    return hashes
 
 
 def packed_u32(ids: Sequence[int]) -> bytes | None:
     """Token ids as native uint32 bytes; None when one is negative, >= 2**32 or not an int
     (``events._native`` packs a list ~3x faster than ``array.array``)."""
     if _native is not None:
-        return _native.pack_u32(ids)
+        packed: bytes | None = _native.pack_u32(ids)
+        return packed
     try:
         return array.array("I", ids).tobytes()
     except (OverflowError, TypeError):
@@ -140,7 +142,8 @@ def packed_u32(ids: Sequence[int]) -> bytes | None:
 def common_prefix(a: bytes, b: bytes, unit: int = 1) -> int:
     """How many whole ``unit``-byte items two byte strings share from the start."""
     if _native is not None:
-        return _native.common_prefix(a, b) // unit
+        same: int = _native.common_prefix(a, b)
+        return same // unit
     m = min(len(a), len(b)) // unit
     if a[: m * unit] == b[: m * unit]:
         return m
@@ -189,7 +192,7 @@ def hash_block_tokens(
 
 
 def hash_request_blocks(
-    token_ids: Sequence[int],
+    token_ids: TokenIds,
     block_size: int,
     algo: str = "sha256_cbor",
     seed: str | None = None,
@@ -212,7 +215,7 @@ def hash_request_blocks(
 
 
 def chain_digests(
-    token_ids: Sequence[int],
+    token_ids: TokenIds,
     block_size: int,
     algo: str,
     parent: bytes,
@@ -229,7 +232,7 @@ def chain_digests(
 
 
 def _job(
-    token_ids: Sequence[int],
+    token_ids: TokenIds,
     block_size: int,
     algo: str,
     parent: bytes,
@@ -258,7 +261,10 @@ def _native_chain(job: ChainJob) -> bytes | None:
     last = max((i for i, k in enumerate(keys) if k is not None), default=-1) if keys else -1
     if algo == "sha256_cbor":
         cbor_keys = None if last < 0 else [None if k is None else _cbor(k) for k in keys or ()]
-        return _native.sha256_cbor_chain(token_ids, block_size, num_blocks, prev, cbor_keys)
+        chain: bytes | None = _native.sha256_cbor_chain(
+            token_ids, block_size, num_blocks, prev, cbor_keys
+        )
+        return chain
     # sha256 (pickle): keyed blocks (LoRA, cache_salt) in Python, the unkeyed rest here.
     head = b""
     if last >= 0:

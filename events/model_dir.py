@@ -57,8 +57,8 @@ def _token_text(value: Any) -> str | None:
     """A config's special token: a string, or a serialized ``AddedToken`` dict."""
     if isinstance(value, str):
         return value
-    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return value["content"]
+    if isinstance(value, Mapping) and isinstance(content := value.get("content"), str):
+        return content
     return None
 
 

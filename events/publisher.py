@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import zmq
 
@@ -332,15 +332,17 @@ class ZmqEventPublisher(EventPublisher):
 
     def _replay_to(self, client: bytes, start: int) -> None:
         sent = 0
+        router = self._router
+        assert router is not None  # called for a request read from this ROUTER socket
         if self._buffer:
             # Buffered seqs are contiguous, so the start index is arithmetic.
             skip = max(0, start - self._buffer[0][0])
             for seq, payload in itertools.islice(self._buffer, skip, None):
-                self._router.send_multipart(  # type: ignore[union-attr]
+                router.send_multipart(
                     (client, b"", self._topic_bytes, seq.to_bytes(8, "big"), payload)
                 )
                 sent += 1
-        self._router.send_multipart((client, b"", b"", END_SEQ, b""))  # type: ignore[union-attr]
+        router.send_multipart((client, b"", b"", END_SEQ, b""))
         logger.debug("replayed %d batches from seq %d", sent, start)
 
 
@@ -385,7 +387,7 @@ def create_publisher(
     ctor = _REGISTRY.get(name)
     if ctor is None:
         raise ValueError(f"unknown event publisher {name!r}; known: {sorted(_REGISTRY)}")
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "endpoint": config.endpoint,
         "replay_endpoint": config.replay_endpoint,
         "buffer_steps": config.buffer_steps,

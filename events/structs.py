@@ -64,7 +64,7 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class KVEventBatch(EventBatch):
-    events: list[KVEvent]  # type: ignore[assignment]
+    events: list[KVEvent]
 
 
 # Legacy positional ("array") form: same classes and field order, array_like=True.

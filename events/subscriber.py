@@ -33,6 +33,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -305,7 +306,10 @@ class ZmqEventSubscriber:
     def _recv_nowait(self) -> list[bytes] | None:
         assert self._sub is not None
         try:
-            return self._sub.recv_multipart(zmq.NOBLOCK).result()
+            # zmq.asyncio's recv with NOBLOCK returns a finished Future (typed Awaitable).
+            future: Any = self._sub.recv_multipart(zmq.NOBLOCK)
+            frames: list[bytes] = future.result()
+            return frames
         except zmq.Again:
             return None
 
@@ -479,7 +483,7 @@ class ZmqEventSubscriber:
         timeout_ms = max(1, int(self.replay_timeout * 1000))
         await dealer.send_multipart([b"", start.to_bytes(8, "big")])
         while True:
-            if not await dealer.poll(timeout_ms, zmq.POLLIN):
+            if not await dealer.poll(timeout_ms):  # POLLIN: the default flags
                 raise TimeoutError
             frames = await dealer.recv_multipart()
             if frames and frames[0] == b"":

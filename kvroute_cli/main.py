@@ -1,11 +1,15 @@
 """``kvroute`` entry point. Sub-commands import their packages lazily so that, e.g.,
-``kvroute events tail`` never loads torch."""
+``kvroute events tail`` never loads torch; the commands whose flags are generated from a
+settings model (``router``, ``engine``, ``up``) are built only when named (or for
+``kvroute --help``), so the others do not pay for their models."""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import typer
+from typer.core import TyperGroup
 
 from kvroute_cli.bench_cmd import app as bench_app
 from kvroute_cli.engine_cmd import engine
@@ -13,11 +17,28 @@ from kvroute_cli.events_cmd import app as events_app
 from kvroute_cli.router_cmd import router
 from kvroute_cli.up_cmd import up
 
-app = typer.Typer(no_args_is_help=True, help="KV event streaming and hybrid prefix-aware routing.")
+_GENERATED = {"engine": engine, "router": router, "up": up}
+
+
+class _Group(TyperGroup):
+    """``kvroute``'s commands, the generated ones built on first use."""
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        return [*super().list_commands(ctx), *_GENERATED]
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        command = _GENERATED.get(cmd_name)
+        if command is None:
+            return super().get_command(ctx, cmd_name)
+        single = typer.Typer()
+        single.command(cmd_name)(command)
+        return typer.main.get_command(single)
+
+
+app = typer.Typer(
+    cls=_Group, no_args_is_help=True, help="KV event streaming and hybrid prefix-aware routing."
+)
 app.add_typer(events_app, name="events", help="Inspect vLLM KV event streams.")
-app.command("engine")(engine)
-app.command("router")(router)
-app.command("up")(up)
 app.add_typer(bench_app, name="bench", help="Benchmarks that print numbers and write a report.")
 
 

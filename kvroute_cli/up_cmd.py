@@ -6,6 +6,7 @@ and turns SIGTERM into the same clean shutdown as Ctrl-C.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import signal
@@ -15,26 +16,10 @@ from types import FrameType
 from typing import Any
 
 import typer
+from pydantic import BaseModel
 
 from kvroute_cli.extras import require_extras
-from kvroute_cli.options import fields_from
-
-
-def _parse_policies(text: str) -> tuple[str, ...]:
-    from router.decision.policy import POLICIES as POLICY_NAMES  # stdlib-only module: cheap
-
-    names = (
-        POLICY_NAMES
-        if text.strip() == "all"
-        else tuple(p.strip() for p in text.split(",") if p.strip())
-    )
-    unknown = [p for p in names if p not in POLICY_NAMES]
-    if unknown or not names:
-        raise typer.BadParameter(
-            f"unknown policy {unknown}; use a comma list of {', '.join(POLICY_NAMES)} or 'all'",
-            param_hint="--policies",
-        )
-    return tuple(dict.fromkeys(names))
+from kvroute_cli.options import SettingsCommand
 
 
 def _fmt_ms(v: float | None) -> str:
@@ -98,46 +83,24 @@ def _table(report: dict[str, Any]) -> Any:
     return table
 
 
-def up(
-    engines: int = typer.Option(3, min=1, max=16, help="Engines to start."),
-    engine: str = typer.Option(
-        "sim",
-        help="sim: simulated engines (--profile); vllm: real vLLM CPU servers with a tiny "
-        "Gemma-3-like model (own venv, installed on first use; minutes to start).",
-    ),
-    profile: str = typer.Option(
-        "swa-hybrid",
-        help="Simulated engines: full | swa-hybrid | mamba-hybrid | gemma3 | gpt-oss | "
-        "qwen3-next | llama",
-    ),
-    index: str = typer.Option(
-        "memory", help="memory | redis (a private redis-server) | redis://host:port/db"
-    ),
-    policies: str = typer.Option(
-        "cost", help="Comma list of cost, round_robin, least_loaded, prefix_full_only, or all."
-    ),
-    conversations: int = typer.Option(8, min=1, help="Concurrent conversations."),
-    turns: int = typer.Option(5, min=1, help="Turns per conversation."),
-    max_tokens: int = typer.Option(24, min=1, help="Tokens generated per turn."),
-    gpu_blocks: int = typer.Option(512, min=1, help="GPU KV blocks per engine (small: evicts)."),
-    cpu_blocks: int = typer.Option(1024, min=0, help="CPU offload blocks per engine; 0 = off."),
-    cpu_offload: bool = typer.Option(
-        False,
-        help="--engine vllm: run vLLM's OffloadingConnector with a CPU tier of --cpu-blocks "
-        "blocks (our host-memory spec on the CPU build); GPU/CPU reuse from vLLM's metrics.",
-    ),
-    time_scale: float = typer.Option(1.0, min=0.01, help="Engines run X times real time."),
-    seed: int = typer.Option(0, help="Workload seed (same seed, same prompts)."),
-    keep_logs: bool = typer.Option(False, help="Keep child process logs (always on failure)."),
-    out: Path = typer.Option(None, help="Also write the full report (per request) as JSON."),
-    keep: bool = typer.Option(
-        False, help="Keep the last policy's engines and router up (see /dashboard) until Ctrl-C."
-    ),
-) -> None:
+def _model() -> type[BaseModel]:
+    from stack.demo.config import DemoConfig
+
+    return DemoConfig
+
+
+def _up(given: dict[str, Any], keep_logs: bool, out: Path | None, keep: bool) -> None:
     """Start engines and the router on 127.0.0.1, run a short multi-turn chat workload per
-    policy (fresh engines each), print hit ratio, TTFT and prediction accuracy, stop all.
-    Each round prints its router's live dashboard URL; --keep leaves the last one up."""
-    if engine == "sim":
+    policy (fresh engines each), print hit ratio, TTFT and prediction accuracy, stop all."""
+    from pydantic import ValidationError
+
+    from stack.demo import DemoConfig
+
+    try:  # DemoConfig checks the settings (e.g. an unknown profile)
+        cfg = DemoConfig(**given)
+    except (ValidationError, ValueError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if cfg.engine == "sim":
         require_extras("kvroute up", "engine")  # it starts `kvroute engine` processes
     from rich.console import Console
     from rich.markup import escape
@@ -151,12 +114,8 @@ def up(
         TimeElapsedColumn,
     )
 
-    from stack.demo import DemoConfig, DemoError, Observer, RequestRecord, run_up
+    from stack.demo import DemoError, Observer, RequestRecord, run_up
 
-    try:  # DemoConfig checks the settings (e.g. an unknown profile)
-        cfg = DemoConfig(**fields_from(DemoConfig, locals(), policies=_parse_policies(policies)))
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request
     console = Console()
 
@@ -230,3 +189,36 @@ def up(
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2))
         console.print(f"report: {out}")
+
+
+up = SettingsCommand(
+    _model,
+    _up,
+    name="up",
+    doc="Start engines and the router on 127.0.0.1, run a short multi-turn chat workload per "
+    "policy (fresh engines each), print hit ratio, TTFT and prediction accuracy, stop all. "
+    "Each round prints its router's live dashboard URL; --keep leaves the last one up.",
+    extra=[
+        inspect.Parameter(
+            "keep_logs",
+            inspect.Parameter.KEYWORD_ONLY,
+            default=typer.Option(False, help="Keep child process logs (always on failure)."),
+            annotation=bool,
+        ),
+        inspect.Parameter(
+            "out",
+            inspect.Parameter.KEYWORD_ONLY,
+            default=typer.Option(None, help="Also write the full report (per request) as JSON."),
+            annotation=Path,
+        ),
+        inspect.Parameter(
+            "keep",
+            inspect.Parameter.KEYWORD_ONLY,
+            default=typer.Option(
+                False,
+                help="Keep the last policy's engines and router up (/dashboard) until Ctrl-C.",
+            ),
+            annotation=bool,
+        ),
+    ],
+)

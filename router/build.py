@@ -11,7 +11,7 @@ from collections.abc import Callable
 from router.config import RouterSettings
 from router.decision.decide import HealthyInstances, Router
 from router.decision.layout import LayoutRegistry
-from router.decision.policy import COST_POLICIES, CostRates, Policy, make_policy
+from router.decision.policy import COST_POLICIES, Policy, make_policy
 from router.decision.prompt_hashes import PromptHashes
 from router.decision.score import Scorer
 from router.decision.tokenize import RoutingTokenizer
@@ -23,19 +23,14 @@ from router.prediction.predict import PredictOnRoute
 from router.prediction.pressure import EvictionTracker
 from router.prediction.speculative import SpeculativeResidency
 
-__all__ = ["build_router", "eviction_tracker", "instrument", "policy_rates"]
-
-
-def policy_rates(settings: RouterSettings) -> CostRates:
-    s = settings
-    return CostRates(s.prefill_s_per_token, s.load_s_per_token, s.request_overhead_s)
+__all__ = ["build_router", "eviction_tracker", "instrument"]
 
 
 def instrument(index: BlockIndex, metrics: RouterMetrics) -> BlockIndex:
     """``index`` with its metrics exported in the router's registry (idempotent)."""
     if isinstance(index, InstrumentedIndex):
         return index
-    return InstrumentedIndex(index, IndexMetrics(metrics.registry))  # type: ignore[return-value]
+    return InstrumentedIndex(index, IndexMetrics(metrics.registry))
 
 
 def eviction_tracker(
@@ -43,9 +38,10 @@ def eviction_tracker(
 ) -> EvictionTracker | None:
     """The memory-pressure tracker a cost policy reads (None: off, or a policy that reads
     no pressure)."""
-    if settings.eviction_window_s <= 0 or settings.policy not in COST_POLICIES:
+    window_s = settings.eviction.window_s
+    if window_s <= 0 or settings.policy not in COST_POLICIES:
         return None
-    return EvictionTracker(settings.eviction_window_s, clock or time.monotonic)
+    return EvictionTracker(window_s, clock or time.monotonic)
 
 
 def build_router(
@@ -73,16 +69,16 @@ def build_router(
     metrics = metrics or RouterMetrics()
     index = instrument(index, metrics)
     speculative = (
-        SpeculativeResidency(settings.speculative_ttl_s)
+        SpeculativeResidency(settings.speculative.ttl_s)
         if clock is None
-        else SpeculativeResidency(settings.speculative_ttl_s, clock=clock)
+        else SpeculativeResidency(settings.speculative.ttl_s, clock=clock)
     )
     if policy is None:
         evictions = evictions or eviction_tracker(settings, clock)
         policy = make_policy(
             settings.policy,
             temperature=settings.temperature,
-            rates=policy_rates(settings),
+            settings=settings.cost,
             roomy=evictions.roomy if evictions is not None else None,
         )
     prompt_hashes = PromptHashes(settings.hash_algo, settings.seed)

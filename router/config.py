@@ -1,4 +1,12 @@
-"""Router settings: flags > environment (``KVROUTE_*``) > YAML file > defaults.
+"""Router settings, each default and bound written once: flags > environment > YAML > defaults.
+
+``RouterSettings`` holds the router process's own settings at the top level and one
+section per component (``cost``, ``health``, ``admission``, ``session``, ``upstream``,
+``speculative``, ``eviction``, ``redis``). A setting has one name everywhere:
+``<section>_<field>`` flat (YAML ``admission_max_waiting: 8``, environment
+``KVROUTE_ADMISSION_MAX_WAITING=8``, flag ``--admission-max-waiting 8``) or nested in YAML
+(``admission: {max_waiting: 8}``). ``kvroute router``'s flags are generated from these
+fields (``kvroute_cli.options``), so their help shows the defaults and bounds written here.
 
 Names follow vLLM where the concept is vLLM's (``block_size``, ``hash_algo`` =
 ``--prefix-caching-hash-algo``, ``seed`` = the NONE_HASH seed / PYTHONHASHSEED).
@@ -6,98 +14,270 @@ Names follow vLLM where the concept is vLLM's (``block_size``, ``hash_algo`` =
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from router.decision.policy import POLICIES
-from router.fleet.specs import parse_instance
+__all__ = [
+    "POLICIES",
+    "AdmissionSettings",
+    "CostSettings",
+    "EvictionSettings",
+    "HealthSettings",
+    "PolicyName",
+    "RedisSettings",
+    "RouterSettings",
+    "SessionSettings",
+    "SpeculativeSettings",
+    "UpstreamSettings",
+    "load_settings",
+]
 
-__all__ = ["RouterSettings", "load_settings"]
+
+PolicyName = Literal["cost", "round_robin", "least_loaded", "prefix_full_only"]
+POLICIES: tuple[str, ...] = get_args(PolicyName)
+
+
+class Section(BaseModel):
+    """One component's settings: immutable, unknown names refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CostSettings(Section):
+    """The cost policy (``router.policy.CostPolicy``): raw rates before the per-instance
+    fit scales them (an 8B-class model on one H100, the simulated engine's timing model),
+    and the ranking's knobs (the policy's docstring says what each one bends)."""
+
+    prefill_s_per_token: float = Field(1e-4, gt=0, description="Prefill seconds per token.")
+    load_s_per_token: float = Field(
+        7e-6, ge=0, description="Seconds per token loaded from the CPU tier."
+    )
+    request_overhead_s: float = Field(0.005, ge=0, description="Fixed seconds per request.")
+    step_s: float = Field(0.004, ge=0, description="Seconds per engine step.")
+    decode_step_s: float = Field(
+        0.012, ge=0, description="Seconds per step while decode streams run."
+    )
+    decode_s_per_seq: float = Field(
+        2.5e-4, ge=0, description="Seconds per running stream per step."
+    )
+    step_tokens: int = Field(
+        4096, gt=0, description="Prefill tokens per step (the engines' max_num_batched_tokens)."
+    )
+    load_exponent: float = Field(
+        1.5, ge=0, description="Load stretch exponent for a request mostly new to the fleet."
+    )
+    continuation_fraction: float = Field(
+        0.9, ge=0, le=1, description="Share of a prompt some instance holds: a continuation."
+    )
+    continuation_exponent: float = Field(
+        1.0, ge=0, description="Load stretch exponent for a continuation."
+    )
+    roomy_continuation_fraction: float = Field(
+        0.7, ge=0, le=1, description="Continuation share on a holder with KV room."
+    )
+    roomy_continuation_exponent: float = Field(
+        0.5, ge=0, description="Load stretch exponent for a continuation on a roomy holder."
+    )
+    junction_credit: float = Field(
+        1.0, ge=0, le=1, description="Credit for the full-attention-only prefix beyond any hit."
+    )
+    stick_margin: float = Field(
+        0.25, ge=0, description="The holder keeps a request within 1 + this of the best cost."
+    )
+    min_sticky_fraction: float = Field(
+        0.1, ge=0, le=1, description="Share of the prompt a holder must hold to stick."
+    )
+    fit_decay: float = Field(
+        0.95, gt=0, le=1, description="Per-observation decay of the TTFT fits."
+    )
+    recent_half_life_s: float = Field(
+        30.0, gt=0, description="Half-life of the uncached tokens routed lately (tie-break)."
+    )
+
+
+class HealthSettings(Section):
+    """Health probes (``router.instances.HealthChecker``)."""
+
+    interval_s: float = Field(2.0, gt=0, description="Seconds between health probes.")
+    timeout_s: float = Field(2.0, gt=0, description="Seconds a probe may take.")
+    failures: int = Field(2, ge=1, description="Failed probes in a row that mark it down.")
+    successes: int = Field(1, ge=1, description="Good probes in a row that mark it up.")
+    models_interval_s: float = Field(
+        10.0, ge=0, description="Served models (/v1/models) re-read on coming up and this often."
+    )
+
+
+class AdmissionSettings(Section):
+    """Admission control (``router.admission``): no threshold set, off."""
+
+    max_waiting: int | None = Field(
+        None, ge=0, description="An instance is busy at this many engine-waiting requests."
+    )
+    max_kv_usage: float | None = Field(
+        None, gt=0, le=1, description="An instance is busy at this engine KV usage."
+    )
+    max_inflight: int | None = Field(
+        None, ge=1, description="An instance is busy at this many router requests in flight."
+    )
+    queue_size: int = Field(1024, ge=0, description="Requests that may wait when all are busy.")
+    timeout_s: float = Field(30.0, ge=0, description="Seconds a request may wait before 429.")
+    retry_after_s: float | None = Field(
+        None, ge=0, description="Retry-After of a 429 (unset: the queue timeout)."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return (self.max_waiting, self.max_kv_usage, self.max_inflight) != (None, None, None)
+
+
+class SessionSettings(Section):
+    """Session affinity (``router.affinity``): no header and no user field, off."""
+
+    header: str | None = Field(None, description="The header naming a session (X-Session-ID).")
+    user_field: bool = Field(False, description="The OpenAI `user` field names a session.")
+    max_extra_ttft_s: float = Field(
+        0.05, ge=0, description="Extra predicted TTFT (s) keeping a session may cost."
+    )
+    ttl_s: float = Field(3600.0, gt=0, description="Seconds a session is remembered.")
+    max_sessions: int = Field(100_000, ge=1, description="Sessions remembered at most.")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.header) or self.user_field
+
+
+class UpstreamSettings(Section):
+    """The HTTP client towards the engines (``router.upstream``, ``router.proxy``)."""
+
+    request_timeout_s: float = Field(600.0, gt=0, description="Seconds a request may take.")
+    connect_timeout_s: float = Field(2.0, gt=0, description="Seconds to connect to an engine.")
+    max_retries: int = Field(
+        2, ge=0, description="Other instances tried when one fails before its first byte."
+    )
+
+
+class SpeculativeSettings(Section):
+    """Predict-on-route (``router.speculative``)."""
+
+    ttl_s: float = Field(
+        2.0, ge=0, description="Seconds a routed prompt counts as cached before its events."
+    )
+
+
+class EvictionSettings(Section):
+    """KV pressure (``router.pressure.EvictionTracker``)."""
+
+    window_s: float = Field(
+        10.0,
+        ge=0,
+        description="An instance that evicted GPU blocks this recently is short of KV memory "
+        "(the cost policy keeps continuations stickier on the others); 0: off.",
+    )
+
+
+class RedisSettings(Section):
+    """The Redis index (``router.index.redis``)."""
+
+    block_ttl_s: int | None = Field(
+        None, gt=0, description="Expiry of block entries (unset: none)."
+    )
+
+
+# Names a setting had before it moved into its component's section.
+_MOVED = {
+    "prefill_s_per_token": ("cost", "prefill_s_per_token"),
+    "load_s_per_token": ("cost", "load_s_per_token"),
+    "request_overhead_s": ("cost", "request_overhead_s"),
+    "request_timeout_s": ("upstream", "request_timeout_s"),
+    "connect_timeout_s": ("upstream", "connect_timeout_s"),
+    "max_retries": ("upstream", "max_retries"),
+}
 
 
 class RouterSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="KVROUTE_", extra="forbid")
+    """``kvroute router``: the process's settings, then one section per component."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(8080, ge=0, le=65535)
-    instances: list[str] = Field(default_factory=list)
-    index: str = "memory"
-    policy: str = "cost"
-    model: str = "kvroute-sim"
-    block_size: int = Field(16, gt=0)
-    hash_algo: str = "sha256_cbor"
-    seed: str | None = None
-    # "byte", a model dir (vLLM's ids in-process: tokenizer.json, BOS rules, chat template),
-    # a tokenizer.json path, or "remote" (instances' /tokenize: one round trip per request)
-    tokenizer: str = "byte"
-    temperature: float = Field(0.0, ge=0.0)
-    # Layout used until an instance's events teach it (e.g. engines that omit spec kinds):
-    # "full", "swa:WINDOW" or "mamba" beside full attention.
-    default_layout: str = "full"
-    prefill_s_per_token: float = Field(1e-4, gt=0)
-    load_s_per_token: float = Field(7e-6, ge=0)
-    request_overhead_s: float = Field(0.005, ge=0)
-    speculative_ttl_s: float = Field(2.0, ge=0)
-    # An instance that evicted GPU blocks within this many seconds is short of KV memory;
-    # the others have room, where the cost policy keeps continuations stickier. 0: off.
-    eviction_window_s: float = Field(10.0, ge=0)
-    health_interval_s: float = Field(2.0, gt=0)
-    health_timeout_s: float = Field(2.0, gt=0)
-    health_failures: int = Field(2, ge=1)
-    health_successes: int = Field(1, ge=1)
-    # Served models (/v1/models) are re-read when an instance comes up and this often.
-    health_models_interval_s: float = Field(10.0, ge=0)
-    engine_metrics: bool = True  # poll instances' /metrics for their waiting queue
-    request_timeout_s: float = Field(600.0, gt=0)
-    connect_timeout_s: float = Field(2.0, gt=0)
-    max_retries: int = Field(2, ge=0)
-    max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
-    admin_token: str | None = None  # KVROUTE_ADMIN_TOKEN; unset disables the admin API
-    dashboard: bool = True  # GET /dashboard (read-only live view); KVROUTE_DASHBOARD=false: 404
-    redis_block_ttl_s: int | None = None
-    # Replicas on one Redis index share predict-on-route records and in-flight load
-    # (router.prediction.shared); off: each replica sees only its own.
-    share_replicas: bool = True
-    # Ingest the instances' events (off: a replica that reads the shared index only, as
-    # the workers after the first of ``--workers N`` do).
-    ingest: bool = True
-    # Router processes on one port (SO_REUSEPORT); more than one needs a Redis index.
-    workers: int = Field(1, ge=1)
-    # Admission control (router.admission); no threshold set: off.
-    admission_max_waiting: int | None = Field(None, ge=0)
-    admission_max_kv_usage: float | None = Field(None, gt=0, le=1)
-    admission_max_inflight: int | None = Field(None, ge=1)
-    admission_queue_size: int = Field(1024, ge=0)
-    admission_timeout_s: float = Field(30.0, ge=0)
-    admission_retry_after_s: float | None = Field(None, ge=0)
-    # Session affinity (router.affinity); no header and no user field: off.
-    session_header: str | None = None  # e.g. "X-Session-ID"
-    session_user_field: bool = False  # the OpenAI ``user`` field names the session
-    session_max_extra_ttft_s: float = Field(0.05, ge=0)
-    session_ttl_s: float = Field(3600.0, gt=0)
-    session_max_sessions: int = Field(100_000, ge=1)
-    log_level: str = "info"
+    model_config = SettingsConfigDict(
+        env_prefix="KVROUTE_",
+        env_nested_delimiter="_",
+        env_nested_max_split=1,  # KVROUTE_ADMISSION_MAX_WAITING -> admission.max_waiting
+        extra="forbid",
+    )
 
-    def section(self, prefix: str) -> dict[str, Any]:
-        """The settings named ``<prefix>_<name>`` as ``{name: value}``: the config of one
-        component (``health``, ``admission``, ``session``), whose fields bear those names."""
-        cut = len(prefix) + 1
-        return {k[cut:]: v for k, v in self if k.startswith(f"{prefix}_")}
+    host: str = Field("127.0.0.1", description="Bind address.")
+    port: int = Field(8080, ge=0, le=65535, description="Port.")
+    instances: list[str] = Field(
+        default_factory=list,
+        description="URL alone (vLLM 0.32+: endpoints and ranks read from its "
+        "/kv_event_sources), "
+        "URL=[EVENTS_ENDPOINT[,replay=ENDPOINT][,topic=T][,model=NAME][,dp=N]] or "
+        "URL=<--kv-events-config JSON>[,model=NAME][,dp=N]; repeatable.",
+        json_schema_extra={"flag": "instance"},
+    )
+    index: str = Field(
+        "memory",
+        description="memory | redis://... | rediss://... | unix://... | redis+cluster://h:p,h:p",
+    )
+    policy: PolicyName = Field("cost", description="The routing policy.")
+    model: str = Field("kvroute-sim", description="Model name (namespaces the Redis index).")
+    block_size: int = Field(16, gt=0, description="The engines' hash block size.")
+    hash_algo: str = Field("sha256_cbor", description="The engines' --prefix-caching-hash-algo.")
+    seed: str | None = Field(None, description="NONE_HASH seed (the engines' PYTHONHASHSEED).")
+    tokenizer: str = Field(
+        "byte",
+        description="byte | MODEL_DIR (vLLM's ids in-process: tokenizer.json, BOS rules, chat "
+        "template) | path/to/tokenizer.json | remote (the instances' /tokenize).",
+    )
+    temperature: float = Field(0.0, ge=0.0, description="Softmax temperature (0: argmin).")
+    default_layout: str = Field(
+        "full",
+        description="Layout until an instance's events teach it: full | swa:WINDOW | mamba.",
+    )
+    engine_metrics: bool = Field(True, description="Poll the instances' /metrics queues.")
+    max_body_bytes: int = Field(16 * 1024 * 1024, gt=0, description="Largest request body.")
+    admin_token: str | None = Field(
+        None, description="Bearer token of the admin API (unset: the admin API is off)."
+    )
+    dashboard: bool = Field(True, description="Serve GET /dashboard, a read-only live view.")
+    log_level: str = Field("info", description="uvicorn log level.")
+    share_replicas: bool = Field(
+        True,
+        description="On a Redis index: share predict-on-route records and in-flight load with "
+        "the other replicas (router.prediction.shared).",
+    )
+    ingest: bool = Field(
+        True,
+        description="Ingest the instances' events (off: a replica that reads the shared index "
+        "only, as the workers after the first of --workers N do).",
+    )
+    workers: int = Field(
+        1, ge=1, description="Router processes on one port (SO_REUSEPORT); >1 needs a Redis index."
+    )
+    cost: CostSettings = CostSettings()
+    health: HealthSettings = HealthSettings()
+    admission: AdmissionSettings = AdmissionSettings()
+    session: SessionSettings = SessionSettings()
+    upstream: UpstreamSettings = UpstreamSettings()
+    speculative: SpeculativeSettings = SpeculativeSettings()
+    eviction: EvictionSettings = EvictionSettings()
+    redis: RedisSettings = RedisSettings()
 
-    @field_validator("policy")
+    @model_validator(mode="before")
     @classmethod
-    def _policy(cls, v: str) -> str:
-        if v not in POLICIES:
-            raise ValueError(f"unknown policy {v!r}; expected one of {POLICIES}")
-        return v
+    def _flat_names(cls, data: Any) -> Any:
+        """``admission_max_waiting`` is ``admission.max_waiting`` (see the module docstring)."""
+        return nest(cls, data) if isinstance(data, Mapping) else data
 
     @field_validator("instances")
     @classmethod
     def _instances(cls, v: list[str]) -> list[str]:
+        from router.fleet.specs import parse_instance  # the grammar; loads events.publisher
+
         for text in v:
             parse_instance(text)
         return v
@@ -126,14 +306,72 @@ class RouterSettings(BaseSettings):
         return (init_settings, env_settings)
 
 
-def load_settings(flags: dict[str, Any], config: Path | None = None) -> RouterSettings:
-    """Merge YAML (lowest) < env (KVROUTE_*) < flags (highest, only those given)."""
+def sections(model: type[BaseModel]) -> dict[str, type[Section]]:
+    """``model``'s section fields: name -> section type."""
+    out = {}
+    for name, info in model.model_fields.items():
+        kind = info.annotation
+        if isinstance(kind, type) and issubclass(kind, Section):
+            out[name] = kind
+    return out
+
+
+def nest(model: type[BaseModel], data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` with flat ``<section>_<name>`` keys (and dashes for underscores) moved into
+    their sections; a section given as a model or a mapping is merged with them."""
+    parts = sections(model)
+    out: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        key = raw_key.replace("-", "_")
+        section, _, name = key.partition("_")
+        if key in _MOVED and model is RouterSettings:
+            section, name = _MOVED[key]
+        elif key in model.model_fields or section not in parts:
+            if key in parts and key in out:
+                value = {**_as_dict(value), **out[key]}
+            out[key] = value
+            continue
+        into = out.get(section, {})
+        out[section] = {**_as_dict(into), name: value}
+    return out
+
+
+def _as_dict(value: Any) -> Any:
+    return value.model_dump(exclude_unset=True) if isinstance(value, BaseModel) else value
+
+
+def deep_merge(*layers: Mapping[str, Any]) -> dict[str, Any]:
+    """Later layers win; mappings (sections) are merged key by key."""
+    out: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+                out[key] = deep_merge(out[key], value)
+            else:
+                out[key] = value
+    return out
+
+
+def load_settings(flags: Mapping[str, Any], config: Path | None = None) -> RouterSettings:
+    """Merge YAML (lowest) < environment (``KVROUTE_*``) < flags (highest, only those given:
+    None values are dropped). Flat and nested names are accepted in each."""
     from_file: dict[str, Any] = {}
     if config is not None:
         raw = yaml.safe_load(Path(config).read_text()) or {}
         if not isinstance(raw, dict):
             raise ValueError(f"{config}: expected a mapping of settings")
-        from_file = {k.replace("-", "_"): v for k, v in raw.items()}
+        from_file = nest(RouterSettings, raw)
     env = RouterSettings().model_dump(exclude_unset=True)  # what the environment set
-    merged = {**from_file, **env, **{k: v for k, v in flags.items() if v is not None}}
-    return RouterSettings(**merged)
+    given = nest(RouterSettings, _given(flags))
+    return RouterSettings(**deep_merge(from_file, env, given))
+
+
+def _given(flags: Mapping[str, Any]) -> dict[str, Any]:
+    """``flags`` without the None values (flags not given), sections included."""
+    out: dict[str, Any] = {}
+    for key, value in flags.items():
+        if isinstance(value, Mapping):
+            value = _given(value)
+        if value is not None:
+            out[key] = value
+    return out

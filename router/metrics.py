@@ -36,7 +36,7 @@ class FastObserve:
         # prometheus_client's private layout (0.20-0.26); any other: the child's own observe.
         self._bounds = tuple(getattr(child, "_upper_bounds", ()))
         self._buckets = getattr(child, "_buckets", ())
-        self._sum = getattr(child, "_sum", None)
+        self._sum: Any = getattr(child, "_sum", None)
         plain = (
             len(self._bounds) == len(self._buckets) > 0
             and type(self._sum) is MutexValue
@@ -68,6 +68,16 @@ _ERR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096)
 
 
 class RouterMetrics:
+    # One bound child per stage in ``STAGES`` (set in ``__init__``).
+    stage_parse: FastObserve
+    stage_tokenize: FastObserve
+    stage_hash: FastObserve
+    stage_score: FastObserve
+    stage_choose: FastObserve
+    stage_upstream_headers: FastObserve
+    stage_upstream_first_byte: FastObserve
+    stage_relay: FastObserve
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
         self.requests = Counter(

@@ -15,8 +15,8 @@ from router.build import build_router, instrument
 from router.config import RouterSettings
 from router.decision.layout import LayoutRegistry, default_layout
 from router.decision.tokenize import RoutingTokenizer
-from router.fleet.admission import AdmissionConfig, AdmissionController
-from router.fleet.affinity import AffinityConfig, SessionAffinity
+from router.fleet.admission import AdmissionController
+from router.fleet.affinity import SessionAffinity
 from router.fleet.discovery import Discovery, DiscoveryError
 from router.fleet.instances import Instance, InstanceRegistry
 from router.fleet.models import ModelRegistry
@@ -38,7 +38,9 @@ class RouterState:
         self.settings = s = settings
         self.metrics = RouterMetrics()
         self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(s.request_timeout_s, connect=s.connect_timeout_s),
+            timeout=httpx.Timeout(
+                s.upstream.request_timeout_s, connect=s.upstream.connect_timeout_s
+            ),
             # Drop idle connections before the engines do (uvicorn, hence vLLM, closes them
             # after 5 s, httpx's default expiry too): reusing one the engine is closing
             # fails a forward and counts against the instance's health.
@@ -49,24 +51,22 @@ class RouterState:
         redis_opts: dict[str, Any] = {}
         if s.index.startswith(("redis://", "rediss://", "unix://", "redis+cluster://")):
             redis_opts = {"model": s.model, "hash_algo": s.hash_algo, "hash_seed": s.seed}
-            if s.redis_block_ttl_s:
-                redis_opts["block_ttl_s"] = s.redis_block_ttl_s
+            if s.redis.block_ttl_s:
+                redis_opts["block_ttl_s"] = s.redis.block_ttl_s
         self.index = instrument(open_index(s.index, **redis_opts), self.metrics)
         self.layouts = LayoutRegistry(default=default_layout(s.default_layout, s.block_size))
-        self.admission = AdmissionController(
-            AdmissionConfig(**s.section("admission")), self.metrics.registry
-        )
+        self.admission = AdmissionController(s.admission, self.metrics.registry)
         # Probes on the data plane's keep-alive client: kept connections (below uvicorn's
         # 5 s idle close) and no pool scans (router.fleet.instances).
         self.prober = UpstreamPool(
-            connect_timeout_s=s.health_timeout_s,
-            request_timeout_s=s.health_timeout_s,
-            keepalive_s=min(4.0, s.health_interval_s + 1.0),
+            connect_timeout_s=s.health.timeout_s,
+            request_timeout_s=s.health.timeout_s,
+            keepalive_s=min(4.0, s.health.interval_s + 1.0),
         )
         self.registry = InstanceRegistry(
             self.client,
             prober=self.prober,
-            **s.section("health"),
+            **s.health.model_dump(),
             read_metrics=s.engine_metrics,
             on_change=self._health_changed,
             on_block_size=self.layouts.hint_block_size,
@@ -74,17 +74,15 @@ class RouterState:
             on_up=self._probed_up,  # served models re-read (sources, until read once)
         )
         # Served models read through the prober too (on_up runs only once started).
-        self.models = ModelRegistry(self.client, s.health_timeout_s, fetch=self.registry.fetch)
+        self.models = ModelRegistry(self.client, s.health.timeout_s, fetch=self.registry.fetch)
         # Instances named by URL alone: their event sources read from vLLM.
         self.discovery = Discovery(
             self.client,
-            s.health_timeout_s,
+            s.health.timeout_s,
             lambda spec: self._add_target(spec, probe=False),
             self._remove_target,
         )
-        self.affinity = SessionAffinity(
-            AffinityConfig(**s.section("session")), self.metrics.registry
-        )
+        self.affinity = SessionAffinity(s.session, self.metrics.registry)
         self.router = build_router(
             s,
             index=self.index,
@@ -105,9 +103,10 @@ class RouterState:
             self.policy,
             self.metrics,
             UpstreamPool(
-                connect_timeout_s=s.connect_timeout_s, request_timeout_s=s.request_timeout_s
+                connect_timeout_s=s.upstream.connect_timeout_s,
+                request_timeout_s=s.upstream.request_timeout_s,
             ),
-            max_retries=s.max_retries,
+            max_retries=s.upstream.max_retries,
         )
         self._layout_task: asyncio.Task[None] | None = None
         self.shared = self._shared_predictions()
@@ -139,7 +138,7 @@ class RouterState:
         return SharedPredictions(
             client,
             f"{inner.prefix}:replicas",
-            ttl_s=self.settings.speculative_ttl_s,
+            ttl_s=self.settings.speculative.ttl_s,
             load=load,
             set_peer_load=set_peer_load,
             on_applied=self.prediction.store.flush,

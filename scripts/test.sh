@@ -5,6 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+.venv/bin/mypy  # the packages in [tool.mypy] files, zero errors
 # Where the C extensions can build (a C compiler, Python's and OpenSSL's headers), the
 # suite must run on them: the tests of each (events._native, router._refcounts,
 # router.index._memindex; tests/test_native_loader.py lists them) fail if one was not built.

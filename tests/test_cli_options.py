@@ -61,7 +61,7 @@ def test_router_flags_reach_router_settings_and_bad_ones_are_refused(monkeypatch
     assert result.exit_code == 0, result.output
     (s,) = seen
     assert s.instances == ["http://127.0.0.1:9"] and s.policy == "round_robin"
-    assert (s.admission_timeout_s, s.health_interval_s, s.session_max_extra_ttft_s) == (
+    assert (s.admission.timeout_s, s.health.interval_s, s.session.max_extra_ttft_s) == (
         3.0,
         2.0,
         0.2,

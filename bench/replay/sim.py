@@ -56,15 +56,19 @@ __all__ = ["SimResult", "SimRouterSettings", "run_sim"]
 log = logging.getLogger(__name__)
 
 
+_LIVE = RouterSettings.model_construct()  # the defaults, without reading the environment
+
+
 @dataclass(frozen=True)
 class SimRouterSettings:
-    """The live router's defaults (``router.config.RouterSettings``) that shape decisions."""
+    """The live router's settings that shape decisions, defaulting to its own
+    (``router.config.RouterSettings``, where they are written)."""
 
-    prefill_s_per_token: float = 1e-4
-    load_s_per_token: float = 7e-6
-    request_overhead_s: float = 0.005
-    speculative_ttl_s: float = 2.0
-    health_interval_s: float = 2.0  # how often the engines' waiting queue is read
+    prefill_s_per_token: float = _LIVE.cost.prefill_s_per_token
+    load_s_per_token: float = _LIVE.cost.load_s_per_token
+    request_overhead_s: float = _LIVE.cost.request_overhead_s
+    speculative_ttl_s: float = _LIVE.speculative.ttl_s
+    health_interval_s: float = _LIVE.health.interval_s  # how often engines' queues are read
 
 
 @dataclass
@@ -168,7 +172,7 @@ def sim_policy(
         return make_peer_model(name.split(":", 1)[1])
     if name in ("cost", "prefix_full_only"):
         return make_policy(
-            name, temperature=temperature, rates=rates, clock=clock, rng=rng, roomy=roomy
+            name, temperature=temperature, settings=rates, clock=clock, rng=rng, roomy=roomy
         )
     if name == "least_loaded":
         return LeastLoadedPolicy(rng)
@@ -187,7 +191,11 @@ async def _simulate(
     index = MemoryIndex()
     layouts = LayoutRegistry(default=InstanceLayout.full(cfg.engine.block_size))
     insts = {n: Instance(InstanceSpec(n)) for n in names}
-    rates = CostRates(rs.prefill_s_per_token, rs.load_s_per_token, rs.request_overhead_s)
+    rates = CostRates(
+        prefill_s_per_token=rs.prefill_s_per_token,
+        load_s_per_token=rs.load_s_per_token,
+        request_overhead_s=rs.request_overhead_s,
+    )
     settings = RouterSettings(
         # Peer models are scored by the cost policy's machinery, full-attention-only for
         # vLLM-router's (it scores group 0 only); the policy itself is the model.

@@ -11,7 +11,6 @@ import logging
 import signal
 import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI
@@ -21,8 +20,7 @@ from engine_adapter.offload.manager import OffloadConfig
 from engine_adapter.profiles import ModelProfile, get_profile
 from engine_adapter.sim.app import create_app
 from engine_adapter.sim.core import FILLER_TEXT, EngineCore, SchedulerConfig
-from engine_adapter.sim.timing import TimingModel
-from events.config import KVEventsConfig
+from engine_adapter.sim.settings import EngineSettings
 from events.groups import MambaSpec, SlidingWindowSpec
 from events.publisher import create_publisher
 from events.tokenizer import load_tokenizer
@@ -32,38 +30,6 @@ __all__ = ["EngineSettings", "build_engine", "serve"]
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 131_072
-
-
-@dataclass
-class EngineSettings:
-    """Everything ``kvroute engine`` takes (flag names in the CLI match the field names)."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model: str = "kvroute-sim"
-    name: str | None = None  # how the engine names itself in responses; default host:port
-    profile: str = "swa-hybrid"
-    layout: str | None = None  # e.g. "swa:64*5,full": overrides the profile's groups
-    block_size: int | None = None  # None: the profile's (vLLM's choice for that family)
-    sliding_window: int = 1024
-    page_bytes: int = 4096
-    gpu_blocks: int = 2048
-    cpu_blocks: int = 0  # 0 disables the CPU offload tier
-    blocks_per_chunk: int = 1  # vLLM's defaults for its OffloadingConnector
-    offload_policy: str = "lru"
-    self_describing_cpu_events: bool = False
-    kv_events: KVEventsConfig | None = None
-    legacy_array_events: bool = False
-    hash_algo: str = "sha256_cbor"
-    seed: str | None = None  # NONE_HASH seed (vLLM: PYTHONHASHSEED)
-    tokenizer: str | None = None  # None/"byte" or a tokenizer.json path
-    max_model_len: int | None = None  # None: the longest the pool holds (vLLM would refuse)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
-    timing: TimingModel = field(default_factory=TimingModel)
-    data_parallel_rank: int = 0  # the first rank this server runs
-    data_parallel_size: int = 1  # ranks this server runs (each its own core and events)
-    lora_modules: dict[str, str] = field(default_factory=dict)  # name -> path (no weights)
 
 
 def blocks_for(profile: ModelProfile, max_model_len: int, max_num_batched_tokens: int) -> int:

@@ -237,7 +237,8 @@ async def _index_counts(state: RouterState) -> dict[str, dict[int, int]] | None:
         return None
     with contextlib.suppress(Exception):
         async with asyncio.timeout(1.0):
-            return await counts()
+            got: dict[str, dict[int, int]] = await counts()
+            return got
     return None
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from router.config import AdmissionSettings
 from router.fleet.instances import Instance
 
 __all__ = ["AdmissionConfig", "AdmissionController", "Rejected", "Ticket"]
@@ -35,20 +36,8 @@ __all__ = ["AdmissionConfig", "AdmissionController", "Rejected", "Ticket"]
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class AdmissionConfig:
-    """Thresholds (None: not checked) and the queue's bounds."""
-
-    max_waiting: int | None = None  # engine's waiting requests
-    max_kv_usage: float | None = None  # engine's KV usage, 0..1
-    max_inflight: int | None = None  # router's requests in flight to the instance
-    queue_size: int = 1024
-    timeout_s: float = 30.0
-    retry_after_s: float | None = None  # None: the queue timeout
-
-    @property
-    def enabled(self) -> bool:
-        return (self.max_waiting, self.max_kv_usage, self.max_inflight) != (None, None, None)
+# Its settings (defaults and bounds: ``router.config.AdmissionSettings``).
+AdmissionConfig = AdmissionSettings
 
 
 @dataclass(frozen=True, slots=True)

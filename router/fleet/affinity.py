@@ -18,27 +18,25 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 
+from router.config import SessionSettings
 from router.decision.policy import Decision
 
 __all__ = ["AffinityConfig", "SessionAffinity"]
 
 
-@dataclass(frozen=True, slots=True)
-class AffinityConfig:
-    header: str | None = None  # e.g. "x-session-id"; None: no header
-    user_field: bool = False  # fall back to the body's OpenAI ``user`` field
-    max_extra_ttft_s: float = 0.05
-    max_sessions: int = 100_000
-    ttl_s: float = 3600.0
+class HeaderLookup(Protocol):
+    """What the affinity reads of a request's headers: one by (lower-case) name."""
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self.header) or self.user_field
+    def get(self, name: str, default: str | None = None, /) -> str | None: ...
+
+
+# Its settings (defaults and bounds: ``router.config.SessionSettings``).
+AffinityConfig = SessionSettings
 
 
 class SessionAffinity:
@@ -52,7 +50,7 @@ class SessionAffinity:
             ["outcome"], registry=registry or CollectorRegistry(),
         )  # fmt: skip
 
-    def session_key(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
+    def session_key(self, headers: HeaderLookup, body: Mapping[str, Any]) -> str | None:
         """The request's session: the header if set, else ``user`` when enabled."""
         if self._header:
             value = headers.get(self._header)

@@ -96,10 +96,11 @@ class InstanceRegistry:
 
     client: httpx.AsyncClient
     _: KW_ONLY
-    interval_s: float = 2.0
-    timeout_s: float = 2.0
-    failures: int = 2  # failed probes in a row that mark an instance down
-    successes: int = 1  # good probes in a row that bring it back
+    # router.config.HealthSettings's fields (their defaults and bounds are written there).
+    interval_s: float
+    timeout_s: float
+    failures: int  # failed probes in a row that mark an instance down
+    successes: int  # good probes in a row that bring it back
     read_metrics: bool = True
     models_interval_s: float = 10.0  # re-read served models (on_up) at most this often
     prober: UpstreamPool | None = None  # probe with this client (default: ``client``)

@@ -119,7 +119,9 @@ class ModelRegistry:
         cards = tuple(c for c in learned.cards if c["id"] in learned.adapters)
         return ServedModels(declared, learned.adapters, cards)
 
-    def pool(self, model: Any, healthy: Sequence[Instance], every: Sequence[Instance]):
+    def pool(
+        self, model: Any, healthy: Sequence[Instance], every: Sequence[Instance]
+    ) -> list[Instance] | None:
         """The healthy instances that may serve ``model``; None if no instance serves it
         (vLLM's 404); an empty list if only unhealthy ones do (503)."""
         if not isinstance(model, str) or not model:

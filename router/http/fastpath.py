@@ -11,16 +11,18 @@ admin, metrics, health, the dashboard -- goes on to the FastAPI app. Bad input g
 from __future__ import annotations
 
 import time
+from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from starlette.types import ASGIApp
 
 from router.http.forward import request_headers
 from router.http.gate import route_request
 from router.http.replies import Receive, Reply, Send, error_reply
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from router.dashboard import Dashboard
     from router.state import RouterState
 
@@ -54,13 +56,13 @@ class RoutingFields(msgspec.Struct):
 _decoder = msgspec.json.Decoder(RoutingFields)
 
 
-async def read_body(scope: dict[str, Any], receive: Receive, limit: int) -> bytes | Reply:
+async def read_body(scope: MutableMapping[str, Any], receive: Receive, limit: int) -> bytes | Reply:
     """The whole body; 413 before reading more than ``limit`` bytes."""
     for k, v in scope["headers"]:
         if k == b"content-length" and v.isdigit() and int(v) > limit:
             return error_reply(f"request body over {limit} bytes", 413, "RequestTooLarge")
     msg = await receive()
-    body = msg.get("body", b"")
+    body: bytes = msg.get("body", b"")
     if not msg.get("more_body"):
         return body
     buf = bytearray(body)
@@ -108,14 +110,14 @@ class ProxyEndpoints:
     """ASGI middleware: the two proxy endpoints here, the rest to ``app``."""
 
     def __init__(
-        self, app: ASGIApp, state: RouterState, dashboard: Dashboard | None = None
+        self, app: FastAPI, state: RouterState, dashboard: Dashboard | None = None
     ) -> None:
         self.app = app
         self.state = state
         self.dashboard = dashboard
         self.limit = state.settings.max_body_bytes
 
-    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             kind = _PATHS.get(scope["path"])
             if kind is not None:
@@ -124,7 +126,7 @@ class ProxyEndpoints:
                 return
         await self.app(scope, receive, send)
 
-    async def proxy(self, scope: dict[str, Any], receive: Receive, kind: str) -> Reply:
+    async def proxy(self, scope: MutableMapping[str, Any], receive: Receive, kind: str) -> Reply:
         state = self.state
         t0 = time.perf_counter()
         raw = await read_body(scope, receive, self.limit)

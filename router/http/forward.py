@@ -99,7 +99,7 @@ class Forwarder:
         metrics: RouterMetrics,
         pool: UpstreamPool,
         *,
-        max_retries: int = 2,
+        max_retries: int,  # router.config.UpstreamSettings.max_retries
     ) -> None:
         self.registry = registry
         self.policy = policy

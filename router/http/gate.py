@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from router.decision.request import RoutedRequest
-from router.fleet.admission import Rejected
+from router.fleet.admission import Rejected, Ticket
 from router.http.replies import Reply, error_reply, rejected_reply, unknown_model_reply
 
 if TYPE_CHECKING:
@@ -54,12 +54,13 @@ async def route_request(
     model = data.get("model")
     pool = state.models.pool(model, state.registry.healthy(), state.registry.all())
     if pool is None:
-        return unknown_model_reply(model)
-    ticket = None
+        return unknown_model_reply(str(model))  # None only for a model named, not served
+    ticket: Ticket | None = None
     if forward:
-        ticket = await state.admission.admit(pool)
-        if isinstance(ticket, Rejected):
-            return rejected_reply(ticket)
+        admitted = await state.admission.admit(pool)
+        if isinstance(admitted, Rejected):
+            return rejected_reply(admitted)
+        ticket = admitted
     candidates = state.admission.open_instances(pool)
     lora = state.models.adapter(model, candidates)
     session = state.affinity.session_key(HeaderView(headers), data)

@@ -62,5 +62,7 @@ class HeadWithBody:
 class HttpProtocol(HttpToolsProtocol):
     """``uvicorn.Config(http=HttpProtocol)``: uvicorn's protocol on ``HeadWithBody``."""
 
+    # uvicorn narrows BaseProtocol's parameter to asyncio.Transport; so does this override.
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        # HeadWithBody is a Transport by duck typing: what uvicorn calls, the rest delegated.
         super().connection_made(HeadWithBody(transport, self.loop))  # type: ignore[arg-type]

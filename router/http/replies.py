@@ -10,7 +10,7 @@ writes over raw ASGI; ``as_response`` hands the same bytes to FastAPI's endpoint
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from starlette.responses import Response
@@ -30,8 +30,9 @@ __all__ = [
     "unknown_model_reply",
 ]
 
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
+# ASGI's callables, as starlette spells them (messages are mutable mappings).
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 
 _JSON = (b"content-type", b"application/json")
 

@@ -21,6 +21,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -55,7 +56,7 @@ class _Conn(asyncio.Protocol):
 
     # -- asyncio.Protocol ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a stream connection's
 
     def data_received(self, data: bytes) -> None:
         try:

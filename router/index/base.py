@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -138,7 +138,11 @@ class BlockIndex(Protocol):
 
 
 def columns_from_rows(
-    buf: bytes, rows: int, width: int, cols: Iterable[int] | None, bitorder: str
+    buf: bytes,
+    rows: int,
+    width: int,
+    cols: Iterable[int] | None,
+    bitorder: Literal["big", "little"],
 ) -> dict[int, int]:
     """Transpose ``rows`` fixed-width bitsets (row i = block i) into per-column masks.
 
@@ -147,7 +151,7 @@ def columns_from_rows(
     for the columns in ``cols`` (None: every column) that have a bit set. numpy does the
     transpose; a Python loop over rows x columns would cost milliseconds.
     """
-    bits = np.unpackbits(np.frombuffer(buf, dtype=np.uint8), bitorder=bitorder)  # type: ignore[arg-type]
+    bits = np.unpackbits(np.frombuffer(buf, dtype=np.uint8), bitorder=bitorder)
     # Transpose to a contiguous (columns, rows) matrix first: packbits on a strided view
     # is several times slower.
     cols_by_row = np.ascontiguousarray(bits.reshape(rows, width * 8).T)

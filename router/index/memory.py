@@ -121,19 +121,18 @@ class MemoryIndex:
         if reset:
             res.cleared += self._drop(st)
         for ev in batch.events:
-            t = type(ev)
-            if t is BlockStored:
+            if type(ev) is BlockStored:
                 col = self._column(instance, st, slot_of(ev.group_idx, tier_of(ev.medium)))
                 res.stored += self._store(col, ev.block_hashes)
-            elif t is BlockRemoved:
-                col = st.cols.get(slot_of(ev.group_idx, tier_of(ev.medium)))
-                if col is None:
+            elif type(ev) is BlockRemoved:
+                held = st.cols.get(slot_of(ev.group_idx, tier_of(ev.medium)))
+                if held is None:
                     res.unknown += len(ev.block_hashes)
                 else:
-                    n = self._remove(col, ev.block_hashes)
+                    n = self._remove(held, ev.block_hashes)
                     res.removed += n
                     res.unknown += len(ev.block_hashes) - n
-            elif t is AllBlocksCleared:
+            elif type(ev) is AllBlocksCleared:
                 res.cleared += self._drop(st)
         if seq is not None:
             st.cursor = (batch.ts, seq)
@@ -167,6 +166,7 @@ class MemoryIndex:
         got = self._table.store(col, hashes)
         if got is None:  # not all wire ints: convert, then the same call
             got = self._table.store(col, [to_wire(h) for h in hashes])
+            assert got is not None  # every hash a wire int now
         n, fresh = got
         log = self._logs[col]
         assert log is not None
@@ -178,6 +178,7 @@ class MemoryIndex:
         got = self._table.remove(col, hashes)
         if got is None:
             got = self._table.remove(col, [to_wire(h) for h in hashes])
+            assert got is not None  # every hash a wire int now
         done, released = got
         if released:
             self._live[col] -= released
@@ -230,6 +231,7 @@ class MemoryIndex:
         out = self._table.lookup(hashes, keep, self._owner)
         if out is None:  # not all wire ints: convert, then the same call
             out = self._table.lookup([to_wire(h) for h in hashes], keep, self._owner)
+            assert out is not None  # every hash a wire int now
         return out
 
     # ---- introspection (tests, benchmarks, /dashboard) ---------------------------------

@@ -46,6 +46,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -142,9 +143,10 @@ class RedisClusterIndex:
             "instance_ttl_s": instance_ttl_s,
             "block_ttl_s": block_ttl_s,
         }
-        self.cluster = RedisCluster(
-            startup_nodes=[ClusterNode(h, p) for h, p in nodes], decode_responses=False
-        )
+        # Startup nodes built with redis.cluster's ClusterNode (host and port only), as this
+        # index is tested; redis-py types the parameter with its asyncio ClusterNode.
+        startup: Any = [ClusterNode(h, p) for h, p in nodes]
+        self.cluster = RedisCluster(startup_nodes=startup, decode_responses=False)
         self._prefixes: list[str] = []
         self._ready_lock = asyncio.Lock()
         self._nodes: dict[str, aioredis.Redis] = {}  # "host:port" -> client of that node
@@ -186,7 +188,7 @@ class RedisClusterIndex:
         with contextlib.suppress(Exception):
             await self.cluster.nodes_manager.initialize()
 
-    def _node_client(self, node: ClusterNode) -> aioredis.Redis:
+    def _node_client(self, node: AsyncClusterNode) -> aioredis.Redis:
         name = f"{node.host}:{node.port}"
         c = self._nodes.get(name)
         if c is None:
@@ -194,7 +196,7 @@ class RedisClusterIndex:
             # on a dead master (it answers from the other shards instead).
             c = self._nodes[name] = aioredis.Redis(
                 host=node.host,
-                port=node.port,
+                port=int(node.port),
                 decode_responses=False,
                 socket_connect_timeout=_CONNECT_TIMEOUT_S,
                 retry=Retry(NoBackoff(), 0),
@@ -206,6 +208,8 @@ class RedisClusterIndex:
         master bumps the shard's epoch (writes may have been lost)."""
         prefix = self._prefixes[k]
         node = self.cluster.get_node_from_key(prefix + ":meta", replica=False)
+        if node is None:
+            raise RuntimeError(f"no master serves index shard {k} ({prefix})")
         name = f"{node.host}:{node.port}"
         last = self._master.get(k)
         if last is not None and last != name:

@@ -75,7 +75,7 @@ def namespace_for(model: str, hash_algo: str, hash_seed: str | None) -> str:
     return f"kvr:{{{digest}}}"
 
 
-def _pack(hashes: list[Any]) -> bytes:
+def _pack(hashes: Sequence[Any]) -> bytes:
     try:
         return struct.pack(f">{len(hashes)}Q", *hashes)
     except (struct.error, TypeError):
@@ -113,7 +113,11 @@ class RedisIndex:
         self._colver = b""
         self._colmap: dict[int, tuple[str, int]] = {}
         self._reclaimer: asyncio.Task[None] | None = None
-        self._desc = {"model": model, "hash_algo": hash_algo, "hash_seed": hash_seed or ""}
+        self._desc: dict[Any, str] = {
+            "model": model,
+            "hash_algo": hash_algo,
+            "hash_seed": hash_seed or "",
+        }
         self._desc_written = False
 
     # ---- writes ------------------------------------------------------------------------
@@ -186,23 +190,22 @@ class RedisIndex:
             self._block_ms,
         ]
         for ev in batch.events:
-            t = type(ev)
-            if t is BlockStored:
+            if type(ev) is BlockStored:
                 if ev.block_hashes:
                     slot = slot_of(ev.group_idx, tier_of(ev.medium))
                     args += ("S", slot, _pack(ev.block_hashes))
-            elif t is BlockRemoved:
+            elif type(ev) is BlockRemoved:
                 if ev.block_hashes:
                     slot = slot_of(ev.group_idx, tier_of(ev.medium))
                     args += ("R", slot, _pack(ev.block_hashes))
-            elif t is AllBlocksCleared:
+            elif type(ev) is AllBlocksCleared:
                 args += ("C", 0, b"")
         return args
 
     async def _describe(self) -> None:
         """Write the namespace's description (model, hash settings) once per client."""
         if not self._desc_written:
-            await self.redis.hset(f"{self.prefix}:meta", mapping=self._desc)  # type: ignore[misc]
+            await self.redis.hset(f"{self.prefix}:meta", mapping=self._desc)
             self._desc_written = True
 
     async def clear(self, instance: str) -> None:
@@ -269,7 +272,7 @@ class RedisIndex:
         return out
 
     async def instances(self) -> list[str]:
-        names = [m.decode() for m in await self.redis.smembers(f"{self.prefix}:insts")]  # type: ignore[misc]
+        names = [_text(m) for m in await self.redis.smembers(f"{self.prefix}:insts")]
         if not self._hb_ms or not names:
             return sorted(names)
         pipe = self.redis.pipeline(transaction=False)
@@ -279,7 +282,7 @@ class RedisIndex:
         return sorted(n for n, ok in zip(names, flags, strict=True) if ok)
 
     async def cursor(self, instance: str) -> tuple[float, int] | None:
-        ts, seq = await self.redis.hmget(f"{self.prefix}:i:{instance}", ["ts", "seq"])  # type: ignore[misc]
+        ts, seq = await self.redis.hmget(f"{self.prefix}:i:{instance}", ["ts", "seq"])
         if ts is None or seq is None:
             return None
         return float(ts), int(seq)
@@ -302,7 +305,7 @@ class RedisIndex:
     async def column_counts(self) -> dict[str, dict[int, int]]:
         """``{instance: {slot: distinct blocks held}}`` of the live columns: the column map
         and one HLEN per column, two round trips (O(columns), never O(blocks))."""
-        raw = await self.redis.hgetall(f"{self.prefix}:col")  # type: ignore[misc]
+        raw = await self.redis.hgetall(f"{self.prefix}:col")
         colmap = _parse_colmap([x for kv in raw.items() for x in kv])
         cols = sorted(colmap)
         if not cols:
@@ -324,8 +327,8 @@ class RedisIndex:
             blocks += 1
         entries = 0
         async for key in self.redis.scan_iter(match=f"{self.prefix}:r:*", count=10_000):
-            entries += await self.redis.hlen(key)  # type: ignore[misc]
-        dead = await self.redis.llen(f"{self.prefix}:dead")  # type: ignore[misc]
+            entries += await self.redis.hlen(key)
+        dead = await self.redis.llen(f"{self.prefix}:dead")
         return {"blocks": blocks, "entries": entries, "dead_columns": dead}
 
 
@@ -350,9 +353,14 @@ def _result(r: list[Any]) -> ApplyResult:
     return ApplyResult(bool(r[0]), int(r[1]), int(r[2]), int(r[3]), int(r[4]), bool(r[5]))
 
 
-def _parse_colmap(flat: list[bytes]) -> dict[int, tuple[str, int]]:
+def _text(raw: bytes | str) -> str:
+    """A Redis reply as text (the client is built with ``decode_responses=False``)."""
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def _parse_colmap(flat: Sequence[bytes | str]) -> dict[int, tuple[str, int]]:
     out = {}
     for i in range(0, len(flat), 2):
-        slot, _, name = flat[i + 1].decode().partition(":")
+        slot, _, name = _text(flat[i + 1]).partition(":")
         out[int(flat[i])] = (name, int(slot))
     return out

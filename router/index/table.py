@@ -28,12 +28,32 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from itertools import groupby, repeat
-from typing import Any
+from typing import Any, Protocol
 
 from events.native import load
 from router.index.base import columns_from_rows, to_wire
 
-__all__ = ["PyBlockTable", "block_table", "columns_of"]
+__all__ = ["BlockTable", "PyBlockTable", "block_table", "columns_of"]
+
+
+class BlockTable(Protocol):
+    """What ``MemoryIndex`` calls, as ``PyBlockTable`` and the C ``BlockTable``
+    (``router.index._memindex``) both answer it. ``store`` / ``remove`` / ``lookup`` answer
+    None when a hash is not a wire int: the caller converts them and calls again."""
+
+    def __len__(self) -> int: ...
+    def store(self, col: int, hashes: Iterable[Any]) -> tuple[int, bytes] | None: ...
+    def remove(self, col: int, hashes: Iterable[Any]) -> tuple[int, int] | None: ...
+    def compact(self, col: int, log: Any) -> bytes: ...
+    def drop(self, col: int, log: Any) -> None: ...
+    def holders(self, h: int) -> int: ...
+    def trim_interned(self, limit: int) -> None: ...
+    def duplicates(self) -> int: ...
+    def snapshot(self) -> tuple[dict[int, int], dict[tuple[int, int], int]]: ...
+    def lookup(
+        self, hashes: Sequence[Any], keep: int, owner: list[tuple[str, int] | None]
+    ) -> dict[str, dict[int, int]] | None: ...
+
 
 # Lookups OR each run's positions into the columns of its holder set, a Python step per
 # (holder set, column) pair; past this many pairs numpy's transpose is cheaper.
@@ -220,7 +240,7 @@ def _transpose(vals: list[int], holders: Iterable[int], keep: int) -> dict[int, 
 _native = load("router.index._memindex")
 
 
-def block_table(members_max: int, *, native: bool | None = None) -> Any:
+def block_table(members_max: int, *, native: bool | None = None) -> BlockTable:
     """A new block table: the C one where it is built (``native=None``), else (or with
     ``native=False``) the reference. ``native=True`` without the extension raises."""
     if native is None:
@@ -228,5 +248,6 @@ def block_table(members_max: int, *, native: bool | None = None) -> Any:
     if native:
         if _native is None:
             raise RuntimeError("router.index._memindex is not built (or KVROUTE_NO_NATIVE)")
-        return _native.BlockTable(columns_of, members_max)
+        table: BlockTable = _native.BlockTable(columns_of, members_max)  # C: no stub
+        return table
     return PyBlockTable(columns_of, members_max)

@@ -25,7 +25,8 @@ __all__ = ["EvictionTracker"]
 class EvictionTracker:
     """When each instance last evicted a GPU block, from its event batches."""
 
-    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic):
+        """``window_s``: ``router.config.EvictionSettings.window_s``."""
         self.window_s = window_s
         self._clock = clock
         self._last: dict[str, float] = {}  # -inf: batches seen, no eviction yet

@@ -35,6 +35,8 @@ from __future__ import annotations
 import functools
 import time
 from array import array
+
+# _count_elements: CPython's C loop behind Counter.update, absent from typeshed.
 from collections import _count_elements, deque  # type: ignore[attr-defined]
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -144,7 +146,7 @@ class SpeculativeResidency:
 
     def __init__(
         self,
-        ttl_s: float = 2.0,
+        ttl_s: float,  # router.config.SpeculativeSettings.ttl_s
         clock: Callable[[], float] = time.monotonic,
         table: type | None = None,
     ) -> None:

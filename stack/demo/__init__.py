@@ -15,15 +15,27 @@ Modules: ``config`` (settings, record, error, hooks), ``workload`` (the chats),
 ``summary`` (the table row), ``processes`` (children and one round) and ``up`` (``run_up``).
 """
 
-from stack.demo.config import MODEL as MODEL
-from stack.demo.config import DemoConfig, DemoError, RequestRecord
-from stack.demo.config import Observer as Observer
-from stack.demo.processes import KVROUTE as KVROUTE
-from stack.demo.summary import prediction_accuracy_from_metrics as prediction_accuracy_from_metrics
-from stack.demo.summary import summarize
-from stack.demo.up import run_up
-from stack.demo.workload import Workload as Workload
-from stack.demo.workload import run_workload as run_workload
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Loaded on first use, so reading ``stack.demo.config`` (``kvroute up``'s flags are built
+# from ``DemoConfig`` whenever ``kvroute`` starts) does not import the processes and HTTP
+# client behind the demo.
+_WHERE = {
+    "MODEL": "config",
+    "DemoConfig": "config",
+    "DemoError": "config",
+    "Observer": "config",
+    "RequestRecord": "config",
+    "KVROUTE": "processes",
+    "prediction_accuracy_from_metrics": "summary",
+    "summarize": "summary",
+    "run_up": "up",
+    "Workload": "workload",
+    "run_workload": "workload",
+}
 
 __all__ = [
     "DemoConfig",
@@ -32,3 +44,10 @@ __all__ = [
     "run_up",
     "summarize",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stack.demo' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"stack.demo.{module}"), name)

@@ -5,8 +5,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
-from router.decision.policy import POLICIES
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine_adapter.sim.settings import ProfileName
+from router.config import POLICIES, PolicyName
 
 logger = logging.getLogger("stack.demo")
 
@@ -32,9 +36,9 @@ class DemoError(RuntimeError):
         self.log_dir = log_dir
 
 
-@dataclass(frozen=True)
-class DemoConfig:
-    """The deployment and workload. Defaults: ~40 requests, well under a minute on 2 cores.
+class DemoConfig(BaseModel):
+    """The deployment and workload; ``kvroute up``'s flags are generated from these fields.
+    Defaults: ~40 requests, well under a minute on 2 cores.
 
     Sizes are chosen so the demo means something on the swa-hybrid profile: system prompts
     are longer than the 1024-token window (so the sliding-window group decides the hit, not
@@ -43,52 +47,78 @@ class DemoConfig:
     CPU tier while one that keeps conversations together does not.
     """
 
-    engines: int = 3
-    # "sim": simulated engines (``profile``); "vllm": real vLLM CPU servers (own venv, a
-    # tiny random-weight Gemma-3-like model: 5 sliding-window groups + 1 full attention).
-    engine: str = "sim"
-    # --engine vllm only: vLLM's OffloadingConnector (our host-memory spec) with a CPU
-    # tier of ``cpu_blocks`` GPU blocks, one block per chunk, LRU (vLLM's defaults).
-    cpu_offload: bool = False
-    profile: str = "swa-hybrid"
-    index: str = "memory"  # memory | redis (private redis-server) | redis://...
-    policies: tuple[str, ...] = ("cost",)
-    conversations: int = 8
-    turns: int = 5
-    system_prompts: int = 3
-    system_tokens: int = 1400  # the byte tokenizer: one char = one token
-    user_tokens: int = 160
-    max_tokens: int = 24
-    think_s: float = 0.05  # pause between a reply and the next turn (wall seconds)
-    stagger_s: float = 0.15  # conversation i starts at i * stagger_s
-    gpu_blocks: int = 512
-    cpu_blocks: int = 1024
-    block_size: int | None = None  # None: the profile's (vLLM's choice for the family)
-    hash_algo: str = "sha256_cbor"
-    time_scale: float = 1.0
-    seed: int = 0
-    startup_timeout_s: float = 60.0
-    request_timeout_s: float = 60.0
-    stop_timeout_s: float = 10.0
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    def __post_init__(self) -> None:
-        if self.engines < 1:
-            raise ValueError("engines must be >= 1")
-        if self.conversations < 1 or self.turns < 1 or self.system_prompts < 1:
-            raise ValueError("conversations, turns and system_prompts must be >= 1")
-        if self.time_scale <= 0:
-            raise ValueError("time_scale must be positive")
-        unknown = [p for p in self.policies if p not in POLICIES]
-        if unknown or not self.policies:
-            raise ValueError(f"unknown policies {unknown}; expected some of {POLICIES}")
-        if self.engine not in ("sim", "vllm"):
-            raise ValueError(f"engine must be sim or vllm, got {self.engine!r}")
+    engines: int = Field(3, ge=1, le=16, description="Engines to start.")
+    engine: Literal["sim", "vllm"] = Field(
+        "sim",
+        description="sim: simulated engines (--profile); vllm: real vLLM CPU servers with a "
+        "tiny Gemma-3-like model (own venv, installed on first use; minutes to start).",
+    )
+    cpu_offload: bool = Field(
+        False,
+        description="--engine vllm: run vLLM's OffloadingConnector with a CPU tier of "
+        "--cpu-blocks blocks (our host-memory spec on the CPU build), one block per chunk, "
+        "LRU (vLLM's defaults); GPU/CPU reuse from vLLM's metrics.",
+    )
+    profile: ProfileName = Field("swa-hybrid", description="The simulated engines' profile.")
+    index: str = Field(
+        "memory", description="memory | redis (a private redis-server) | redis://host:port/db"
+    )
+    policies: tuple[PolicyName, ...] = Field(
+        ("cost",),
+        min_length=1,
+        description="Comma list of routing policies, or all; one round each.",
+    )
+    conversations: int = Field(8, ge=1, description="Concurrent conversations.")
+    turns: int = Field(5, ge=1, description="Turns per conversation.")
+    system_prompts: int = Field(3, ge=1, description="Distinct system prompts.")
+    system_tokens: int = Field(
+        1400, ge=1, description="System prompt length (the byte tokenizer: a char a token)."
+    )
+    user_tokens: int = Field(160, ge=1, description="Tokens a user adds per turn.")
+    max_tokens: int = Field(24, ge=1, description="Tokens generated per turn.")
+    think_s: float = Field(
+        0.05, ge=0, description="Wall seconds between a reply and the next turn."
+    )
+    stagger_s: float = Field(0.15, ge=0, description="Conversation i starts at i * this.")
+    gpu_blocks: int = Field(512, ge=1, description="GPU KV blocks per engine (small: evicts).")
+    cpu_blocks: int = Field(1024, ge=0, description="CPU offload blocks per engine; 0: off.")
+    block_size: int | None = Field(
+        None, gt=0, description="Block size (unset: the profile's, vLLM's choice for it)."
+    )
+    hash_algo: str = Field("sha256_cbor", description="The engines' prefix caching hash.")
+    time_scale: float = Field(1.0, ge=0.01, description="Engines run X times real time.")
+    seed: int = Field(0, description="Workload seed (same seed, same prompts).")
+    startup_timeout_s: float = Field(60.0, gt=0, description="Seconds the stack may take to start.")
+    request_timeout_s: float = Field(60.0, gt=0, description="Seconds a request may take.")
+    stop_timeout_s: float = Field(10.0, gt=0, description="Seconds a process may take to stop.")
+
+    @field_validator("policies", mode="before")
+    @classmethod
+    def _policies(cls, v: Any) -> Any:
+        """A comma list (or several), ``all`` for every policy; repeats dropped."""
+        if isinstance(v, str):
+            v = [v]
+        names: list[str] = []
+        for item in v:
+            for name in str(item).split(","):
+                name = name.strip()
+                names.extend(POLICIES if name == "all" else [name] if name else [])
+        return tuple(dict.fromkeys(names))
+
+    @field_validator("index")
+    @classmethod
+    def _index(cls, v: str) -> str:
+        if not (v in ("memory", "redis") or v.startswith("redis://")):
+            raise ValueError(f"index must be memory, redis or redis://..., got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _cpu_offload(self) -> DemoConfig:
         if self.cpu_offload and (self.engine != "vllm" or self.cpu_blocks <= 0):
             raise ValueError("cpu_offload needs engine vllm and cpu_blocks > 0")
-        if self.profile not in LAYOUTS:
-            raise ValueError(f"unknown profile {self.profile!r}; expected one of {list(LAYOUTS)}")
-        if not (self.index in ("memory", "redis") or self.index.startswith("redis://")):
-            raise ValueError(f"index must be memory, redis or redis://..., got {self.index!r}")
+        return self
 
     @property
     def total_requests(self) -> int:

@@ -109,7 +109,7 @@ def _report(
     t_start: float,
     log_dir: str | None,
 ) -> dict[str, Any]:
-    config = asdict(cfg)
+    config = cfg.model_dump()
     config["policies"] = list(cfg.policies)
     return {
         "config": config,

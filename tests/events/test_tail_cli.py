@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import select
 import signal
 import subprocess
 import sys
@@ -17,9 +18,9 @@ from events.structs import BlockStored, KVEventBatch
 KVROUTE = str(Path(sys.executable).parent / "kvroute")
 
 
-def tail(*args: str) -> subprocess.Popen:
+def tail(*args: str, log_level: str = "WARNING") -> subprocess.Popen:
     return subprocess.Popen(
-        [KVROUTE, "--log-level", "WARNING", "events", "tail", *args],
+        [KVROUTE, "--log-level", log_level, "events", "tail", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -128,8 +129,16 @@ def test_tail_timeout_ends_the_run_cleanly_without_a_publisher(ports):
 
 
 def test_tail_exits_cleanly_on_ctrl_c(ports):
-    proc = tail(f"tcp://127.0.0.1:{ports[0]}")
-    time.sleep(1.5)  # past start-up, waiting for batches
+    proc = tail(f"tcp://127.0.0.1:{ports[0]}", log_level="INFO")
+    seen = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # past start-up: subscribed, waiting for batches
+        ready, _, _ = select.select([proc.stderr], [], [], 0.5)
+        line = proc.stderr.readline() if ready else ""
+        seen.append(line)
+        if "subscribed" in line or proc.poll() is not None:
+            break
+    assert any("subscribed" in line for line in seen), seen
     proc.send_signal(signal.SIGINT)
     assert lines_of(proc) == []
 

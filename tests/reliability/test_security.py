@@ -15,7 +15,7 @@ import redis
 import redis.asyncio.connection as rconn
 
 import router.http.app
-from engine_adapter.sim.server import EngineSettings
+from engine_adapter.sim.settings import EngineSettings
 from events.structs import BlockStored, KVEventBatch
 from router.config import RouterSettings
 from router.http.app import create_app

@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 
+from router.config import CostSettings
 from router.decision.policy import Breakdown, Candidate, CostPolicy
 from router.decision.policy.fit import Backlog, TtftFit
 
@@ -21,7 +22,10 @@ class Clock:
 
 
 def policy(**kw) -> CostPolicy:
-    return CostPolicy(rng=random.Random(0), clock=kw.pop("clock", Clock()), **kw)
+    """A cost policy with the knobs among ``kw`` set in its settings (``CostSettings``)."""
+    knobs = {k: kw.pop(k) for k in list(kw) if k in CostSettings.model_fields}
+    clock = kw.pop("clock", Clock())
+    return CostPolicy(CostSettings(**knobs), rng=random.Random(0), clock=clock, **kw)
 
 
 PROMPT = 4000  # a conversation's next turn; 3000 tokens of it cached on its holder
@@ -133,7 +137,7 @@ def test_cold_ties_go_where_the_least_work_was_routed_lately():
     clock = Clock()
     cands = [Candidate("a"), Candidate("b"), Candidate("c")]
     for seed in range(20):
-        p = CostPolicy(rng=random.Random(seed), clock=clock, recent_half_life_s=10.0)
+        p = CostPolicy(CostSettings(recent_half_life_s=10.0), rng=random.Random(seed), clock=clock)
         p.assigned("a", 3000)
         p.assigned("c", 1000)
         for _ in range(5):

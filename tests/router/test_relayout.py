@@ -90,7 +90,7 @@ async def test_a_decision_never_forwarded_is_not_kept_past_its_ttl() -> None:
                           registry=StaticRegistry("a"), clock=lambda: t[0])  # fmt: skip
     for i in range(50):
         await router.decide({"prompt": f"{i} {TURN}"}, "completion")
-        t[0] += settings.speculative_ttl_s / 4
+        t[0] += settings.speculative.ttl_s / 4
     assert router.prediction.inflight("a") <= 5
 
 

@@ -203,4 +203,4 @@ def test_the_c_table_is_in_use_when_built() -> None:
         assert refcounts_type() is PyRefCounts
         return
     assert refcounts_type() is RefCounts
-    assert SpeculativeResidency()._table is RefCounts
+    assert SpeculativeResidency(2.0)._table is RefCounts

@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from router.config import CostSettings
+
 __all__ = ["Breakdown", "Candidate", "CostRates", "Decision", "Policy"]
 
 
@@ -30,18 +32,8 @@ class Candidate(NamedTuple):
     full_tokens: int = 0
 
 
-@dataclass(slots=True)
-class CostRates:
-    """Raw seconds per unit before the per-instance fit (``TtftFit``) scales them. The
-    defaults are an 8B-class model on one H100 (the simulated engine's timing model)."""
-
-    prefill_s_per_token: float = 1e-4
-    load_s_per_token: float = 7e-6
-    request_overhead_s: float = 0.005
-    step_s: float = 0.004  # per engine step
-    decode_step_s: float = 0.012  # per step with decode streams running
-    decode_s_per_seq: float = 2.5e-4  # per running stream per step
-    step_tokens: int = 4096  # prefill tokens per step (max_num_batched_tokens)
+# The policy's raw rates are fields of its settings, where their defaults live once.
+CostRates = CostSettings
 
 
 class Breakdown(NamedTuple):

@@ -9,7 +9,8 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
-from router.decision.policy.base import Candidate, CostRates, Decision, Policy
+from router.config import POLICIES, CostSettings
+from router.decision.policy.base import Candidate, Decision, Policy
 from router.decision.policy.cost import CostPolicy
 
 __all__ = ["COST_POLICIES", "POLICIES", "LeastLoadedPolicy", "RoundRobinPolicy", "make_policy"]
@@ -47,7 +48,6 @@ class LeastLoadedPolicy(Policy):
         return Decision(ranked[0], ranked)
 
 
-POLICIES = ("cost", "round_robin", "least_loaded", "prefix_full_only")
 COST_POLICIES = ("cost", "prefix_full_only")  # the cost policy (and its scorer-side baseline)
 
 
@@ -55,15 +55,16 @@ def make_policy(
     name: str,
     *,
     temperature: float = 0.0,
-    rates: CostRates | None = None,
+    settings: CostSettings | None = None,
     clock: Callable[[], float] = time.monotonic,
     rng: random.Random | None = None,
     roomy: Callable[[str], bool] | None = None,
 ) -> Policy:
-    """``prefix_full_only`` is the cost policy; the caller pairs it with a full-only scorer.
+    """``prefix_full_only`` is the cost policy (``settings``: its rates and knobs); the
+    caller pairs it with a full-only scorer.
     ``roomy``: which instances have KV room (``EvictionTracker.roomy``), cost policy only."""
     if name in COST_POLICIES:
-        policy = CostPolicy(rates, temperature=temperature, clock=clock, rng=rng, roomy=roomy)
+        policy = CostPolicy(settings, temperature=temperature, clock=clock, rng=rng, roomy=roomy)
         policy.name = name
         return policy
     if name == "round_robin":

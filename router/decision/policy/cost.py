@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from router.config import CostSettings
 from router.decision.policy.base import Breakdown, Candidate, CostRates, Decision, Policy
 from router.decision.policy.fit import Backlog, TtftFit
 
@@ -52,7 +53,8 @@ class _Model:
     def recent_at(self, now: float, half_life_s: float) -> float:
         if not self.recent:
             return 0.0
-        return self.recent * 0.5 ** ((now - self.recent_t) / half_life_s)
+        decay: float = 0.5 ** ((now - self.recent_t) / half_life_s)
+        return self.recent * decay
 
 
 class CostPolicy(Policy):
@@ -62,39 +64,33 @@ class CostPolicy(Policy):
 
     def __init__(
         self,
-        defaults: CostRates | None = None,
+        settings: CostSettings | None = None,
         *,
         temperature: float = 0.0,
-        load_exponent: float = 1.5,
-        continuation_exponent: float = 1.0,
-        continuation_fraction: float = 0.9,
-        roomy_continuation_exponent: float = 0.5,
-        roomy_continuation_fraction: float = 0.7,
         roomy: Callable[[str], bool] | None = None,
-        junction_credit: float = 1.0,
-        stick_margin: float = 0.25,
-        min_sticky_fraction: float = 0.1,
-        fit_decay: float = 0.95,
-        recent_half_life_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
-        self.defaults = defaults or CostRates()
+        """``settings``: the rates and the ranking's knobs (``router.config.CostSettings``,
+        where their defaults and bounds are written); ``roomy``: instance -> it has KV room
+        (``prediction.pressure``), None: unknown."""
+        s = self.defaults = settings or CostSettings()
         self.temperature = temperature
-        self.load_exponent = load_exponent
-        self.continuation_exponent = continuation_exponent
-        self.continuation_fraction = continuation_fraction
-        self.roomy_continuation_exponent = roomy_continuation_exponent
-        self.roomy_continuation_fraction = roomy_continuation_fraction
-        self.roomy = roomy  # instance -> it has KV room (prediction.pressure); None: unknown
-        self.junction_credit = junction_credit
-        self.stick_margin = stick_margin
-        self.min_sticky_fraction = min_sticky_fraction
-        self.fit_decay = fit_decay
-        self.recent_half_life_s = recent_half_life_s
+        # Copied out of the settings: the ranking reads them per candidate.
+        self.load_exponent = s.load_exponent
+        self.continuation_exponent = s.continuation_exponent
+        self.continuation_fraction = s.continuation_fraction
+        self.roomy_continuation_exponent = s.roomy_continuation_exponent
+        self.roomy_continuation_fraction = s.roomy_continuation_fraction
+        self.roomy = roomy
+        self.junction_credit = s.junction_credit
+        self.stick_margin = s.stick_margin
+        self.min_sticky_fraction = s.min_sticky_fraction
+        self.fit_decay = s.fit_decay
+        self.recent_half_life_s = s.recent_half_life_s
         self.clock = clock
         self.models: dict[str, _Model] = {}
-        self.fleet = TtftFit(fit_decay)  # every observation: the prior of a new instance
+        self.fleet = TtftFit(s.fit_decay)  # every observation: the prior of a new instance
         self._rng = rng or random.Random()
 
     def model(self, name: str) -> _Model:
