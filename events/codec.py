@@ -85,7 +85,7 @@ class _StoredSansTokens(msgspec.Struct, tag_field="type", tag="BlockStored", gc=
 
 
 class _BatchSansTokens(EventBatch):
-    events: list[_StoredSansTokens | BlockRemoved | AllBlocksCleared]  # type: ignore[assignment]
+    events: list[_StoredSansTokens | BlockRemoved | AllBlocksCleared]
 
 
 _routing_decoder = msgspec.msgpack.Decoder(_BatchSansTokens)

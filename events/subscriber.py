@@ -62,8 +62,8 @@ _SUB_RCVHWM = 100_000  # as deep as the publisher's default PUB hwm
 _MAX_SOCKETS = 65_536
 
 
-def _shared_context() -> zmq.Context:
-    ctx = zmq.Context.instance()
+def _shared_context() -> zmq.Context[zmq.Socket[bytes]]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     with contextlib.suppress(zmq.ZMQError):
         want = min(_MAX_SOCKETS, ctx.get(zmq.SOCKET_LIMIT))
         if ctx.get(zmq.MAX_SOCKETS) < want:

@@ -8,7 +8,6 @@ import logging
 from typing import Any
 
 import httpx
-import redis.asyncio as aioredis
 
 from events.native import native_paths
 from router.build import build_router, instrument
@@ -24,6 +23,7 @@ from router.fleet.specs import InstanceSpec, parse_instance, rank_specs
 from router.http.forward import Forwarder
 from router.http.upstream import UpstreamPool
 from router.index import open_index
+from router.index.redis_index import RedisIndex
 from router.ingest import IngestManager
 from router.metrics import RouterMetrics
 from router.prediction.shared import SharedPredictions
@@ -116,9 +116,9 @@ class RouterState:
         """Replicas on one Redis index share predictions and load through it
         (``router.prediction.shared``); a memory index is one replica: None."""
         inner = getattr(self.index, "inner", self.index)
-        client = getattr(inner, "redis", None)
-        if not self.settings.share_replicas or not isinstance(client, aioredis.Redis):
+        if not self.settings.share_replicas or not isinstance(inner, RedisIndex):
             return None
+        client = inner.redis
         registry = self.registry
 
         def load() -> dict[str, tuple[int, int, int]]:

@@ -145,9 +145,9 @@ async def resolve_sources(url: str, sources: dict[int, dict[str, Any]]) -> list[
     specs = []
     for rank, cfg in sorted(sources.items()):
         name = f"{url}#dp{rank}" if several else url
-        dp = {"dp_size": len(sources), "dp_rank": rank} if several else {}
+        dp_size, dp_rank = (len(sources), rank) if several else (1, None)
         if not cfg.get("enable_kv_cache_events") or cfg.get("publisher") == "null":
-            specs.append(InstanceSpec(name, **dp))  # routed on load alone
+            specs.append(InstanceSpec(name, dp_size=dp_size, dp_rank=dp_rank))  # load alone
             continue
         endpoint = cfg.get("endpoint")
         if not isinstance(endpoint, str) or not endpoint:
@@ -159,7 +159,9 @@ async def resolve_sources(url: str, sources: dict[int, dict[str, Any]]) -> list[
                 url, rank, "replay_endpoint", str(replay), host, always_bound=True
             )
         topic = str(cfg.get("topic") or "")
-        specs.append(InstanceSpec(name, events, replay, topic, bind=False, **dp))
+        specs.append(
+            InstanceSpec(name, events, replay, topic, bind=False, dp_size=dp_size, dp_rank=dp_rank)
+        )
     return specs or [InstanceSpec(url)]
 
 
