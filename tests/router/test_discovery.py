@@ -16,8 +16,9 @@ import pytest
 from routerkit import batch, catch_up, eventually, free_port, stored
 
 from events.publisher import ZmqEventPublisher
-from router.config import RouterSettings, parse_instance
+from router.config import RouterSettings
 from router.fleet.discovery import DiscoveryError, resolve_sources, zmq_listening
+from router.fleet.specs import parse_instance
 from router.state import RouterState
 
 
