@@ -15,7 +15,9 @@ def router(
     instance: list[str] = typer.Option(
         None,
         help="URL[=EVENTS_ENDPOINT[,replay=ENDPOINT][,topic=T][,model=NAME][,dp=N]] or "
-        "URL=<--kv-events-config JSON>[,model=NAME][,dp=N]; repeatable.",
+        "URL=<--kv-events-config JSON>[,model=NAME][,dp=N]; either form may add "
+        ",kv_transfer_config=<vLLM's --kv-transfer-config JSON> (its CPU chunk size); "
+        "repeatable.",
     ),
     index: str = typer.Option(None, help="memory | redis://... | rediss://... | unix://..."),
     policy: str = typer.Option(

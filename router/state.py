@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 
 from events.hashing import native_hashing
+from events.structs import KVEventBatch
 from router.admission import AdmissionConfig, AdmissionController
 from router.affinity import AffinityConfig, SessionAffinity
 from router.build import build_router, instrument
@@ -88,8 +89,7 @@ class RouterState:
         self.scorer = self.router.scorer
         self.speculative = self.router.speculative
         self.ingest.on_applied = self.speculative.flush
-        if self.router.evictions is not None:
-            self.ingest.on_batch = self.router.evictions.observe
+        self.ingest.on_batch = self._on_batch
         self.admission = AdmissionController(
             AdmissionConfig(**s.section("admission")), self.metrics.registry
         )
@@ -155,6 +155,13 @@ class RouterState:
         await self.client.aclose()
         self.forwarder.pool.close()
 
+    def _on_batch(self, name: str, batch: KVEventBatch) -> None:
+        """Each batch, before it is applied: evictions end speculative credit and mark
+        memory pressure."""
+        self.speculative.observe(name, batch)
+        if self.router.evictions is not None:
+            self.router.evictions.observe(name, batch)
+
     async def add_instance(self, spec: InstanceSpec, *, probe: bool = True) -> Instance:
         """Register an instance (``dp=N``: one target per data-parallel rank, the first
         returned)."""
@@ -164,6 +171,10 @@ class RouterState:
     async def _add_target(self, spec: InstanceSpec, *, probe: bool) -> Instance:
         inst = self.registry.add(spec)
         self.models.declare(spec.url, spec.models)
+        if spec.cpu_chunk is not None:  # before its events: no batch is read without it
+            self.layouts.configure_chunk(
+                spec.url, blocks=spec.cpu_chunk.blocks, tokens=spec.cpu_chunk.tokens
+            )
         if spec.events:
             # With a replay endpoint, start from the publisher's buffer (seq 0): a router
             # started after its engines then knows what they already hold.
@@ -198,6 +209,7 @@ class RouterState:
                 await self.index.clear(inst.url)
         self.speculative.forget(inst.url)
         self.models.forget(inst.url)
+        self.layouts.configure_chunk(inst.url)
 
     async def _share_layouts(self) -> None:
         """Readers of a shared index learn layouts from the ingesting router."""
