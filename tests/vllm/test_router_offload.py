@@ -173,7 +173,7 @@ def _chunk_info(router: RouterUnderTest) -> dict[str, Any]:
     return r.json()["candidates"][0]["cpu_chunk"]
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("name", list(CELLS))
 def test_router_is_exact_on_vllm_cpu_tier(name: str, vllm_server: Any, tmp_path: Any) -> None:
     cell = CELLS[name]
@@ -192,6 +192,7 @@ def test_router_is_exact_on_vllm_cpu_tier(name: str, vllm_server: Any, tmp_path:
         max_model_len=MAX_MODEL_LEN,
         cpu_offload=offload,
         dev_mode=True,
+        timeout=600,  # start-up took 230 s on a loaded 2-core machine
     )
     router = OffloadRouter([server], tmp_path / "router")
     router.transfer = {server.url: offload.kv_transfer_config()} if cell.configured else {}
@@ -268,7 +269,7 @@ def test_router_is_exact_on_vllm_cpu_tier(name: str, vllm_server: Any, tmp_path:
                 await asyncio.gather(task, return_exceptions=True)
 
             asyncio.run(kill_during())
-            server.restart(timeout=480)
+            server.restart(timeout=600)
             router.forget_seqs(server)
             deadline = time.monotonic() + 60  # the router's health probe sees it back
             while not router.instances()[server.url]["healthy"]:
