@@ -4,7 +4,7 @@ blocks per chunk and event mode.
 Why: with a CPU tier, what vLLM reuses is its GPU hit plus whole chunks loaded from CPU,
 and the router sees that tier only through vLLM's CPU events -- by default placeholders
 that name a chunk's last hash and not its size. One real vLLM server per cell, with the
-connector (``engine_adapter/vllm_cpu/offload_spec.py``) and a GPU pool that holds about two
+connector (``engine_adapter/vllm_cpu/offload_spec.py``) and a GPU pool that holds a few
 documents, behind a real ``kvroute router``. Cells cover both chunk sizes and both event
 modes, with the chunk size learned (from placeholders' places in the GPU hash chains, or
 from self-describing events) or configured (``,kv_transfer_config=<JSON>``):
@@ -45,8 +45,10 @@ class Cell:
     blocks_per_chunk: int
     self_describing: bool
     configured: bool  # the router is given vLLM's --kv-transfer-config
-    num_gpu_blocks: int
-    doc_len: tuple[int, int]  # documents: about two fit the GPU pool
+    num_gpu_blocks: int  # vLLM's start-up check wants max_model_len to fit
+    doc_len: tuple[int, int]
+    back: tuple[int, int]  # revisit documents this many back: past what the GPU holds
+    max_model_len: int = 1024
     block_size: int | None = None  # --block-size given to vLLM
     restart: bool = False
 
@@ -54,14 +56,16 @@ class Cell:
 CELLS = {
     # vLLM's own block size on CPU is 128 for llama: 32 makes a 40-block pool ~2 documents.
     "llama-bpc2-placeholder": Cell(
-        "llama", 2, False, False, 40, (400, 560), block_size=32, restart=True
+        "llama", 2, False, False, 40, (400, 560), (2, 4), block_size=32, restart=True
     ),
-    # --block-size 16 becomes 32 (window layers); the five window groups take few blocks.
-    "gemma3-bpc2-selfdesc": Cell("gemma3", 2, True, False, 56, (400, 560), block_size=16),
-    # vLLM enlarges the block to 256 to hold a Mamba state.
-    "qwen3next-bpc1-configured": Cell("qwen3next", 1, False, True, 12, (560, 800)),
+    # --block-size 16 becomes 32; each of the five window groups needs blocks for its window
+    # plus a chunk while a prompt runs, then keeps few: ~3 documents fit at rest.
+    "gemma3-bpc2-selfdesc": Cell("gemma3", 2, True, False, 90, (700, 900), (3, 5), block_size=16),
+    # vLLM enlarges the block to 256 to hold a Mamba state: ~4 documents fit.
+    "qwen3next-bpc1-configured": Cell(
+        "qwen3next", 1, False, True, 12, (500, 620), (4, 6), max_model_len=640
+    ),
 }
-MAX_MODEL_LEN = 1024
 CPU_BYTES = 64 << 20  # far more than the stream stores: CPU evictions are not the point
 
 
@@ -101,19 +105,23 @@ class Row:
         return (self.gpu_pred, self.cpu_pred) == (self.gpu_vllm, self.cpu_vllm)
 
 
-def _stream(seed: int, n: int, doc_len: tuple[int, int]) -> list[Step]:
+def _stream(seed: int, n: int, cell: Cell) -> list[Step]:
     """Documents two or three back (evicted from the GPU, kept on CPU) come back as repeats,
     extensions and branches inside them; a new document every few requests evicts."""
     rng = random.Random(seed)
     docs: list[str] = []
     steps: list[Step] = []
     while len(steps) < n:
-        kind = "cold" if len(docs) < 3 else rng.choice(["cold", "repeat", "extend", "branch"])
+        kind = (
+            "cold"
+            if len(docs) < cell.back[0] + 1
+            else rng.choice(["cold", "repeat", "extend", "branch"])
+        )
         if kind == "cold":
-            docs.append(text(rng, rng.randint(*doc_len)))
+            docs.append(text(rng, rng.randint(*cell.doc_len)))
             steps.append(Step("cold", prompt=docs[-1], max_tokens=1))
             continue
-        doc = docs[-rng.randint(2, min(4, len(docs)))]
+        doc = docs[-min(rng.randint(*cell.back), len(docs))]
         if kind == "repeat":
             prompt = doc
         elif kind == "extend":
@@ -121,7 +129,7 @@ def _stream(seed: int, n: int, doc_len: tuple[int, int]) -> list[Step]:
         else:
             cut = rng.randint(len(doc) // 3, len(doc) - 40)
             prompt = doc[:cut] + text(rng, rng.randint(20, 120))
-        steps.append(Step(kind, prompt=prompt[: MAX_MODEL_LEN - 8], max_tokens=1))
+        steps.append(Step(kind, prompt=prompt[: cell.max_model_len - 8], max_tokens=1))
     return steps
 
 
@@ -189,7 +197,7 @@ def test_router_is_exact_on_vllm_cpu_tier(name: str, vllm_server: Any, tmp_path:
         block_size=cell.block_size,
         num_gpu_blocks=cell.num_gpu_blocks,
         max_num_batched_tokens=256,
-        max_model_len=MAX_MODEL_LEN,
+        max_model_len=cell.max_model_len,
         cpu_offload=offload,
         dev_mode=True,
         timeout=600,  # start-up took 230 s on a loaded 2-core machine
@@ -199,7 +207,7 @@ def test_router_is_exact_on_vllm_cpu_tier(name: str, vllm_server: Any, tmp_path:
     router.start()
     try:
         # 1. Sequential: exact, split right, CPU hits on a good share.
-        rows = [_send(router, s) for s in _stream(seed=21, n=30, doc_len=cell.doc_len)]
+        rows = [_send(router, s) for s in _stream(seed=21, n=30, cell=cell)]
         exact, split, cpu = _report(name, "sequential", rows)
         chunk = _chunk_info(router)
         log.info("%s chunk: %s", name, chunk)
@@ -218,7 +226,8 @@ def test_router_is_exact_on_vllm_cpu_tier(name: str, vllm_server: Any, tmp_path:
         for _ in range(3):
             prefix = text(rng, cell.doc_len[1])
             for s in [Step("seed", prompt=prefix, max_tokens=1)] + [
-                Step("fill", prompt=text(rng, cell.doc_len[1]), max_tokens=1) for _ in range(3)
+                Step("fill", prompt=text(rng, cell.doc_len[1]), max_tokens=1)
+                for _ in range(cell.back[1])
             ]:
                 _send(router, s)
             burst = [
@@ -237,7 +246,7 @@ def test_router_is_exact_on_vllm_cpu_tier(name: str, vllm_server: Any, tmp_path:
         # 3. vLLM's default reset empties the GPU only; CPU hits go on, predicted.
         assert server.reset_prefix_cache()
         router.sync()
-        again = [_send(router, s) for s in _stream(seed=21, n=36, doc_len=cell.doc_len)[:8]]
+        again = [_send(router, s) for s in _stream(seed=21, n=36, cell=cell)[:8]]
         r_exact, r_split, r_cpu = _report(name, "after reset", again)
         assert r_exact == len(again) and r_split == len(again) and r_cpu > 0
 
@@ -247,7 +256,7 @@ def test_router_is_exact_on_vllm_cpu_tier(name: str, vllm_server: Any, tmp_path:
         # CPU-held prefix may miss.
         assert server.reset_prefix_cache(reset_external=True)
         router.sync()
-        ext = [_send(router, s) for s in _stream(seed=21, n=36, doc_len=cell.doc_len)[3:9]]
+        ext = [_send(router, s) for s in _stream(seed=21, n=36, cell=cell)[cell.back[0] + 1 :][:6]]
         _report(name, "after reset_external (first may over-predict)", ext)
         misses = [i for i, r in enumerate(ext) if not (r.outcome.exact and r.split_right)]
         assert len(misses) <= 1, misses
@@ -276,7 +285,7 @@ def test_router_is_exact_on_vllm_cpu_tier(name: str, vllm_server: Any, tmp_path:
                 assert time.monotonic() < deadline, "the router never saw vLLM back"
                 time.sleep(0.2)
             router.sync(timeout=60)
-            after = [_send(router, s) for s in _stream(seed=22, n=16, doc_len=cell.doc_len)]
+            after = [_send(router, s) for s in _stream(seed=22, n=16, cell=cell)]
             a_exact, a_split, _ = _report(name, "after restart", after)
             assert a_exact == len(after) and a_split == len(after)
     finally:
