@@ -61,7 +61,8 @@ CELLS = {
     # --block-size 16 becomes 32; each of the five window groups needs blocks for its window
     # plus a chunk while a prompt runs, then keeps few: ~3 documents fit at rest.
     "gemma3-bpc2-selfdesc": Cell("gemma3", 2, True, False, 90, (700, 900), (3, 5), block_size=16),
-    # vLLM enlarges the block to 256 to hold a Mamba state: ~4 documents fit.
+    # vLLM enlarges the attention block to hold a Mamba state (128 tokens here): the pool
+    # holds a few documents.
     "qwen3next-bpc1-configured": Cell(
         "qwen3next", 1, False, True, 12, (500, 620), (4, 6), max_model_len=640
     ),
