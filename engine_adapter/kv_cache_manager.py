@@ -318,17 +318,19 @@ class KVCacheManager:
         if self.offload is not None:
             self.offload.wait_all()
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget all cached blocks, GPU and CPU, if no request holds a block.
+    def reset_prefix_cache(self, reset_external: bool = False) -> bool:
+        """Forget the GPU tier's cached blocks (and with ``reset_external`` the CPU tier's
+        too) if no request holds a block.
 
-        Emits one ``AllBlocksCleared``. vLLM clears its CPU tier silently; clearing both
-        here keeps the tiers in step with what a consumer does on that event (forget
-        everything of this engine).
+        vLLM's ``POST /reset_prefix_cache``: the block pool emits one ``AllBlocksCleared``
+        (``BlockPool.reset_prefix_cache``); the offloading connector's tier is reset only
+        with ``?reset_external=true`` (``Scheduler.reset_prefix_cache(reset_connector)``)
+        and silently, so both cases send the same single event.
         """
         if not self.is_idle():
             logger.warning("reset_prefix_cache refused: blocks still in use")
             return False
-        if self.offload is not None:
+        if self.offload is not None and reset_external:
             self.offload.reset()
         for pool in self._unique_pools:
             pool.reset(emit=False)

@@ -16,7 +16,9 @@ def router(
         None,
         help="URL alone (vLLM 0.32+: endpoints and ranks read from its /kv_event_sources), "
         "URL=[EVENTS_ENDPOINT[,replay=ENDPOINT][,topic=T][,model=NAME][,dp=N]] or "
-        "URL=<--kv-events-config JSON>[,model=NAME][,dp=N]; repeatable.",
+        "URL=<--kv-events-config JSON>[,model=NAME][,dp=N]; either explicit form may add "
+        ",kv_transfer_config=<vLLM's --kv-transfer-config JSON> (its CPU chunk size); "
+        "repeatable.",
     ),
     index: str = typer.Option(
         None, help="memory | redis://... | rediss://... | unix://... | redis+cluster://h:p,h:p"

@@ -22,6 +22,7 @@ import os
 import subprocess
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,9 @@ __all__ = [
     "MAKE_LORA",
     "MAKE_MODELS",
     "MODEL_NAMES",
+    "OFFLOAD_SPEC_MODULE",
+    "OFFLOAD_SPEC_NAME",
+    "CpuOffload",
     "ensure_models",
     "models_hash",
     "offline_env",
@@ -45,6 +49,52 @@ INSTALL_SCRIPT = HERE / "install.sh"
 MAKE_MODELS = HERE / "make_models.py"
 MAKE_LORA = HERE / "make_lora.py"
 MODEL_NAMES = ("gemma3", "qwen3next", "llama")
+# The out-of-tree offloading spec (offload_spec.py), imported by vLLM from this directory.
+OFFLOAD_SPEC_MODULE = "offload_spec"
+OFFLOAD_SPEC_NAME = "KvrouteHostOffloadingSpec"
+
+
+@dataclass(frozen=True, slots=True)
+class CpuOffload:
+    """vLLM's CPU offload tier (``OffloadingConnector``) for a CPU-build server.
+
+    Field names and defaults are vLLM's ``kv_connector_extra_config`` keys:
+    ``cpu_bytes_to_use`` (vLLM divides it into ``num_chunks`` of ``blocks_per_chunk`` GPU
+    blocks, each rounded up to the alignment), ``blocks_per_chunk`` 1, ``eviction_policy``
+    ``"lru"`` (or ``"arc"``), ``self_describing_kv_events`` False (placeholder events).
+    ``hold_polls`` is ours: the host worker reports each copy that many worker polls late,
+    so copies look in flight for a few engine steps (0: done within the step).
+    """
+
+    cpu_bytes_to_use: int
+    blocks_per_chunk: int = 1
+    eviction_policy: str = "lru"
+    self_describing_kv_events: bool = False
+    hold_polls: int = 0
+
+    def __post_init__(self) -> None:
+        if self.cpu_bytes_to_use <= 0 or self.blocks_per_chunk <= 0 or self.hold_polls < 0:
+            raise ValueError(f"invalid CPU offload settings: {self}")
+        if self.eviction_policy not in ("lru", "arc"):
+            raise ValueError(
+                f"eviction_policy must be 'lru' or 'arc', not {self.eviction_policy!r}"
+            )
+
+    def kv_transfer_config(self) -> dict[str, Any]:
+        """The ``--kv-transfer-config`` a user of a CUDA build would write, with our spec."""
+        return {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "spec_name": OFFLOAD_SPEC_NAME,
+                "spec_module_path": OFFLOAD_SPEC_MODULE,
+                "cpu_bytes_to_use": self.cpu_bytes_to_use,
+                "blocks_per_chunk": self.blocks_per_chunk,
+                "eviction_policy": self.eviction_policy,
+                "self_describing_kv_events": self.self_describing_kv_events,
+                "kvroute_hold_polls": self.hold_polls,
+            },
+        }
 
 
 @functools.cache
@@ -108,12 +158,22 @@ def offline_env() -> dict[str, str]:
     return env
 
 
-def server_env() -> dict[str, str]:
+def server_env(*, cpu_offload: bool = False, dev_mode: bool = False) -> dict[str, str]:
     """The environment a vLLM CPU server runs in: 1 GiB of KV space, no core pinning, and
-    no PYTHONHASHSEED, so NONE_HASH is vLLM's fixed ``"vllm-none-hash"`` as the router's."""
+    no PYTHONHASHSEED, so NONE_HASH is vLLM's fixed ``"vllm-none-hash"`` as the router's.
+
+    ``cpu_offload``: this directory goes first on ``PYTHONPATH``, so the API server and the
+    engine-core process it spawns both import ``offload_spec``. ``dev_mode``:
+    ``VLLM_SERVER_DEV_MODE=1`` (``POST /reset_prefix_cache`` and other dev endpoints).
+    """
     env = offline_env()
     env.pop("PYTHONHASHSEED", None)
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    if cpu_offload:
+        paths = [str(HERE), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    if dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     return env
 
 
@@ -129,10 +189,14 @@ def server_argv(
     max_num_batched_tokens: int | None = None,
     max_model_len: int = 2048,
     host: str = "127.0.0.1",
+    cpu_offload: CpuOffload | None = None,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """The command line of one OpenAI-compatible vLLM server (the ``vllm`` console script
-    dies on the distribution name ``vllm-cpu``, so the module is run instead)."""
+    dies on the distribution name ``vllm-cpu``, so the module is run instead).
+
+    ``cpu_offload`` adds vLLM's ``OffloadingConnector`` with our host-memory spec; run the
+    server in ``server_env(cpu_offload=True)`` so its processes can import the spec."""
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
     argv += ["--served-model-name", served_model_name, "--host", host, "--port", str(port)]
     argv += ["--enforce-eager", "--enable-prefix-caching", "--prefix-caching-hash-algo"]
@@ -146,4 +210,6 @@ def server_argv(
         argv += ["--num-gpu-blocks-override", str(num_gpu_blocks)]
     if max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+    if cpu_offload is not None:
+        argv += ["--kv-transfer-config", json.dumps(cpu_offload.kv_transfer_config())]
     return argv + list(extra_args)

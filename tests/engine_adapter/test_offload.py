@@ -297,19 +297,29 @@ def test_decode_chunks_offloaded_only_when_not_prompt_only(prompt_only: bool) ->
     kv.close()
 
 
-def test_reset_prefix_cache_clears_the_cpu_tier_too() -> None:
-    kv = make_kv("mamba-hybrid")
+@pytest.mark.parametrize("reset_external", [False, True])
+def test_reset_prefix_cache_clears_the_cpu_tier_only_with_reset_external(reset_external) -> None:
+    kv = make_kv("full")
     state = EventState()
     rng = random.Random(9)
     a = kv.new_request("a", tokens(rng, 128))
     prefill(kv, a, state)
     kv.free(a)
-    assert kv.reset_prefix_cache()
+    kv.flush()
+    state.apply(events_of(kv.step_events()))
+    cpu_before = kv.lookup(kv.new_request("c", a.all_token_ids))[1]
+    assert cpu_before == 0  # the GPU serves it while it is there
+    assert kv.reset_prefix_cache(reset_external=reset_external)
     events = events_of(kv.step_events())
     state.apply(events)
-    assert isinstance(events[-1], AllBlocksCleared)
-    assert not kv.residency() and not state.counts
-    assert kv.lookup(kv.new_request("b", a.all_token_ids)) == (0, 0)
+    assert events == [AllBlocksCleared()]  # the same single event either way
+    gpu, cpu = kv.lookup(kv.new_request("b", a.all_token_ids))
+    assert gpu == 0
+    if reset_external:
+        assert not kv.residency() and cpu == 0
+    else:
+        assert cpu > 0 and all(k[2] == "CPU" for k in kv.residency())
+        assert state.snapshot() == kv.residency()
     kv.close()
 
 

@@ -27,6 +27,7 @@ import zmq
 from engine_adapter.vllm_cpu import (
     MAKE_MODELS,
     MODEL_NAMES,
+    CpuOffload,
     ensure_models,
     models_hash,
     server_argv,
@@ -43,6 +44,7 @@ __all__ = [
     "MODEL_NAMES",
     "REPO",
     "CompletionResult",
+    "CpuOffload",
     "EventRecorder",
     "RecordedBatch",
     "VllmServer",
@@ -55,6 +57,7 @@ __all__ = [
     "free_port",
     "ipc_endpoint",
     "models_hash",
+    "parse_metrics",
     "recording",
     "tokenize",
     "vllm_binds",
@@ -125,6 +128,8 @@ class VllmServer:
         self.kv_events_config: dict[str, Any] | None = None
         self.log_path = self.log_dir / f"{name}.log"
         self.startup_s: float | None = None  # start() to first healthy /health
+        self.cpu_offload: CpuOffload | None = None
+        self.dev_mode = False
         self._argv: list[str] = []
         self._started_at = 0.0
         self._log_offset = 0
@@ -142,16 +147,24 @@ class VllmServer:
         max_num_batched_tokens: int | None = None,
         max_model_len: int = 2048,
         served_model_name: str | None = None,
+        cpu_offload: CpuOffload | None = None,
+        dev_mode: bool = False,
         extra_args: Sequence[str] = (),
         wait: bool = True,
         timeout: float = 240.0,
     ) -> VllmServer:
-        """Launch; with ``wait`` block until /health answers (raises with the log tail)."""
+        """Launch; with ``wait`` block until /health answers (raises with the log tail).
+
+        ``cpu_offload``: vLLM's OffloadingConnector with the host-memory spec
+        (``engine_adapter.vllm_cpu.offload_spec``); ``dev_mode``: ``VLLM_SERVER_DEV_MODE=1``
+        (needed for ``POST /reset_prefix_cache``)."""
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError(f"{self.name} is already running")
         self.port = port or free_port()
         self.served_model_name = served_model_name or Path(model_dir).name
         self.kv_events_config = kv_events_config
+        self.cpu_offload = cpu_offload
+        self.dev_mode = dev_mode
         argv = server_argv(
             self.python,
             model_dir,
@@ -163,6 +176,7 @@ class VllmServer:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             host=LOOPBACK,
+            cpu_offload=cpu_offload,
             extra_args=extra_args,
         )
         self._argv = argv
@@ -172,7 +186,7 @@ class VllmServer:
         return self
 
     def _launch(self) -> None:
-        env = server_env()
+        env = server_env(cpu_offload=self.cpu_offload is not None, dev_mode=self.dev_mode)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self._log_offset = log.tell()
@@ -304,6 +318,42 @@ class VllmServer:
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return tokenize(self.url, prompt, add_special_tokens, model=self.served_model_name)
 
+    def metrics(self) -> dict[str, float]:
+        """``/metrics`` samples: ``'name{label="v",...}' -> value`` (labels as vLLM wrote them)."""
+        resp = httpx.get(f"{self.url}/metrics", timeout=30.0)
+        resp.raise_for_status()
+        return parse_metrics(resp.text)
+
+    def prompt_tokens_by_source(self) -> dict[str, int]:
+        """``vllm:prompt_tokens_by_source_total`` per ``source`` (local_compute,
+        local_cache_hit = GPU hit, external_kv_transfer = the connector's, here CPU)."""
+        out: dict[str, int] = {}
+        for key, value in self.metrics().items():
+            if key.startswith("vllm:prompt_tokens_by_source_total{"):
+                source = key.split('source="', 1)[1].split('"', 1)[0]
+                out[source] = out.get(source, 0) + int(value)
+        return out
+
+    def wait_prompt_tokens(self, total: int, timeout: float = 30.0) -> dict[str, int]:
+        """The per-source counters once they add up to ``total`` prompt tokens: vLLM
+        records them from the output loop, possibly just after the response went out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            counts = self.prompt_tokens_by_source()
+            if sum(counts.values()) >= total or time.monotonic() >= deadline:
+                if sum(counts.values()) != total:
+                    raise TimeoutError(f"prompt token counters {counts} never summed to {total}")
+                return counts
+            time.sleep(0.05)
+
+    def reset_prefix_cache(self, reset_external: bool = False) -> bool:
+        """``POST /reset_prefix_cache`` (dev mode); vLLM's ``success`` flag."""
+        params = {"reset_external": "true"} if reset_external else {}
+        resp = httpx.post(f"{self.url}/reset_prefix_cache", params=params, timeout=60.0)
+        if resp.status_code != 200:
+            raise RuntimeError(f"reset_prefix_cache -> {resp.status_code}: {resp.text[:500]}")
+        return bool(resp.json().get("success"))
+
     def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """vLLM's ids for a chat (its template, ``add_generation_prompt``)."""
         body = {"messages": messages, "model": self.served_model_name}
@@ -311,6 +361,18 @@ class VllmServer:
 
 
 # ---- requests ------------------------------------------------------------------------------
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> ``{'name{labels}': value}`` (comments skipped)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        with contextlib.suppress(ValueError):
+            out[key] = float(value)
+    return out
 
 
 @dataclass(frozen=True)
