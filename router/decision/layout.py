@@ -9,8 +9,9 @@ Precedence: configured for the instance > learned > the registry default.
 The CPU chunk size (tokens per offloaded chunk) has its own precedence: configured (the
 instance's ``--kv-transfer-config``, ``configure_chunk``; or a configured layout) >
 learned from self-describing CPU events (their block count) > learned from where
-placeholder CPU events fall in the GPU hash chains (``router.decision.chunking``) > vLLM's default,
-one block per chunk. ``chunk_source`` says which one an instance's layout uses.
+placeholder CPU events fall in the GPU hash chains (``router.decision.chunking``) >
+vLLM's default, one block per chunk. ``chunk_source`` says which one an instance's
+layout uses.
 """
 
 from __future__ import annotations
