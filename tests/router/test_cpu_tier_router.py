@@ -257,6 +257,22 @@ def test_a_gpu_eviction_ends_the_speculative_credit_of_that_block_in_that_group(
     spec.release("a", h2)
 
 
+def test_ingest_tells_predict_on_route_of_gpu_evictions_before_the_batch_applies():
+    """The wiring: ingest's listener (``PredictOnRoute.batch_learned``) ends the credit."""
+    from router.config import RouterSettings
+    from router.state import RouterState
+
+    state = RouterState(RouterSettings(policy="cost"))
+    assert state.ingest.listener is state.prediction
+    store = state.prediction.store
+    hs = chain(4)
+    h = store.record("a", {0: hs}, whole=0b1)
+    assert store.residency(hs, ["a"]) == {"a": {G0: 0b1111}}
+    state.prediction.batch_learned("a", batch(removed([hs[1]], 0)))
+    assert store.residency(hs, ["a"]) == {"a": {G0: 0b1101}}
+    store.release("a", h)
+
+
 def test_the_speculative_group_classes_follow_real_layouts():
     # Gemma-3-like: 5 window groups share one class; Qwen3-Next-like: 3 Mamba groups.
     spec = SpeculativeResidency(ttl_s=60.0)
