@@ -216,7 +216,9 @@ class RouterSettings(BaseSettings):
         description="URL alone (vLLM 0.32+: endpoints and ranks read from its "
         "/kv_event_sources), "
         "URL=[EVENTS_ENDPOINT[,replay=ENDPOINT][,topic=T][,model=NAME][,dp=N]] or "
-        "URL=<--kv-events-config JSON>[,model=NAME][,dp=N]; repeatable.",
+        "URL=<--kv-events-config JSON>[,model=NAME][,dp=N]; either explicit form may add "
+        ",kv_transfer_config=<vLLM's --kv-transfer-config JSON> (its CPU chunk size); "
+        "repeatable.",
         json_schema_extra={"flag": "instance"},
     )
     index: str = Field(

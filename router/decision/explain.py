@@ -1,5 +1,7 @@
 """``/debug/route``: why a decision chose its instance -- per candidate the hit per group
-and tier read from the index again, the load terms and the predicted TTFT."""
+and tier read from the index again (with the CPU chunk keys the request would hit), the
+CPU chunk size the scorer reads the CPU tier with and where it came from, the load terms
+and the predicted TTFT."""
 
 from __future__ import annotations
 
@@ -24,17 +26,21 @@ async def explain(router: Router, decision: RouteDecision) -> dict[str, Any]:
             except Exception:
                 found = {}
                 break
+    layouts = router.scorer.layouts
     if found:
         for url, res in found.items():
             per: dict[str, Any] = {}
+            lay = layouts.get(url)
             for slot, mask in sorted(res.items()):
                 g, tier = group_tier(slot)
-                per[f"group{g}.{'gpu' if tier is Tier.GPU else 'cpu'}"] = {
+                held: dict[str, int] = {
                     "prefix_blocks": ((mask + 1) & ~mask).bit_length() - 1,
                     "resident_blocks": mask.bit_count(),
                 }
+                if tier is not Tier.GPU and lay is not None:
+                    held["chunk_keys"] = _chunk_keys(mask, lay)
+                per[f"group{g}.{'gpu' if tier is Tier.GPU else 'cpu'}"] = held
             groups[url] = per
-    layouts = router.scorer.layouts
     out = []
     for url in decision.decision.ranked:
         c = decision.candidates[url]
@@ -49,6 +55,7 @@ async def explain(router: Router, decision: RouteDecision) -> dict[str, Any]:
                 "speculative_blocks": decision.speculative_blocks.get(url, 0),
                 "hash_block_size": decision.hash_size.get(url),
                 "layout_source": layouts.source(url),
+                "cpu_chunk": _chunk_info(layout, layouts.chunk_source(url)),
                 "groups": groups.get(url, {}),
                 "layout": layout.to_dict() if layout else None,
                 "inflight_requests": c.inflight_requests,
@@ -76,3 +83,28 @@ async def explain(router: Router, decision: RouteDecision) -> dict[str, Any]:
         "decision_ms": decision.elapsed_s * 1e3,
         "candidates": out,
     }
+
+
+def _chunk_info(layout: Any, source: str) -> dict[str, Any] | None:
+    """The CPU chunk the scorer reads an instance's CPU tier with, and its source."""
+    if layout is None:
+        return None
+    tpc = layout.tokens_per_chunk or layout.lcm_block_size
+    return {
+        "tokens_per_chunk": tpc,
+        "blocks_per_chunk": tpc // layout.lcm_block_size,
+        "source": source,
+    }
+
+
+def _chunk_keys(mask: int, layout: Any) -> int:
+    """CPU chunks of the request resident (a chunk counts by its key, its last block)."""
+    hbs = layout.hash_block_size
+    stride = (layout.tokens_per_chunk or layout.lcm_block_size) // hbs
+    if stride <= 1:
+        return mask.bit_count()
+    n, i = 0, stride - 1
+    while mask >> i:
+        n += (mask >> i) & 1
+        i += stride
+    return n

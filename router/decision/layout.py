@@ -5,6 +5,13 @@ sizes) and its CPU offload chunk size. vLLM's ``BlockStored`` events carry ``gro
 ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window``, so the layout is learned from
 the stream; engines that do not send them (older vLLM) fall back to a configured layout.
 Precedence: configured for the instance > learned > the registry default.
+
+The CPU chunk size (tokens per offloaded chunk) has its own precedence: configured (the
+instance's ``--kv-transfer-config``, ``configure_chunk``; or a configured layout) >
+learned from self-describing CPU events (their block count) > learned from where
+placeholder CPU events fall in the GPU hash chains (``router.decision.chunking``) >
+vLLM's default, one block per chunk. ``chunk_source`` says which one an instance's
+layout uses.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from events.groups import (
     spec_from_event,
 )
 from events.structs import BlockStored, KVEventBatch
+from router.decision.chunking import ChunkLearner
 
 __all__ = ["InstanceLayout", "LayoutRegistry", "default_layout"]
 
@@ -63,6 +71,9 @@ class LayoutRegistry:
         self._learned: dict[str, InstanceLayout] = {}
         self._seen: dict[str, dict[int, tuple[str | None, int | None, int]]] = {}
         self._chunk: dict[str, int] = {}  # tokens per CPU chunk, from self-describing events
+        self._placed: dict[str, ChunkLearner] = {}  # ... from placeholders' chain positions
+        # From the instance's --kv-transfer-config: (blocks per chunk, tokens per chunk).
+        self._chunk_cfg: dict[str, tuple[int | None, int | None]] = {}
         self._warned: set[str] = set()  # instances whose block size disagreed (warned once)
         self._hinted: dict[str, InstanceLayout] = {}  # default groups at the engine's size
         # Moves whenever a learned layout changes: predict-on-route re-records what it
@@ -85,6 +96,40 @@ class LayoutRegistry:
             self._configured[instance] = layout
         self._resolved.clear()
 
+    def configure_chunk(
+        self, instance: str, *, blocks: int | None = None, tokens: int | None = None
+    ) -> None:
+        """The CPU chunk the instance's ``--kv-transfer-config`` sets (vLLM's
+        ``blocks_per_chunk`` or ``block_size``; neither: forget it). Wins over learning."""
+        if blocks is None and tokens is None:
+            self._chunk_cfg.pop(instance, None)
+        else:
+            self._chunk_cfg[instance] = (blocks, tokens)
+        self._resolved.clear()
+
+    def chunk_source(self, instance: str) -> str:
+        """Where the instance's CPU chunk size comes from (``/debug/route``)."""
+        cfg = self._chunk_cfg.get(instance)
+        if cfg is not None:
+            blocks, tokens = cfg
+            what = f"blocks_per_chunk={blocks}" if blocks is not None else f"block_size={tokens}"
+            return f"configured: kv_transfer_config {what}"
+        conf = self._configured.get(instance)
+        if conf is not None:
+            if conf.tokens_per_chunk:
+                return "configured layout"
+            return "default: one block per chunk (vLLM's default)"
+        if instance in self._learned and instance in self._chunk:
+            return "learned from self-describing CPU events"
+        placed = self._placed.get(instance)
+        if instance in self._learned and placed is not None and placed.tokens_per_chunk:
+            how = "settled" if placed.settled else f"{placed.placed} agreeing so far"
+            return f"learned from placeholder CPU events' places in GPU hash chains ({how})"
+        layout = self.get(instance)
+        if layout is not None and layout.tokens_per_chunk:
+            return "default layout"
+        return "default: one block per chunk (vLLM's default)"
+
     def get(self, instance: str) -> InstanceLayout | None:
         try:
             return self._resolved[instance]
@@ -96,10 +141,27 @@ class LayoutRegistry:
             or self._hinted.get(instance)
             or self._default
         )
+        cfg = self._chunk_cfg.get(instance)
+        if cfg is not None and layout is not None:
+            layout = self._with_chunk(instance, layout, *cfg)
         if len(self._resolved) >= 4096:  # names asked about that no instance has
             self._resolved.clear()
         self._resolved[instance] = layout
         return layout
+
+    def _with_chunk(
+        self, instance: str, layout: InstanceLayout, blocks: int | None, tokens: int | None
+    ) -> InstanceLayout:
+        # vLLM's chunk is blocks_per_chunk GPU blocks of each group (the CPU build gives
+        # every group one block size) or ``block_size`` tokens.
+        tpc = tokens if tokens is not None else (blocks or 1) * layout.lcm_block_size
+        if tpc == layout.tokens_per_chunk:
+            return layout
+        try:
+            return replace(layout, tokens_per_chunk=tpc)
+        except ValueError:
+            log.warning("instance %s: configured CPU chunk of %d tokens won't fit", instance, tpc)
+            return layout
 
     def hint_block_size(self, instance: str, block_size: int) -> None:
         """The engine's block size from its ``/metrics`` (``vllm:cache_config_info``):
@@ -128,6 +190,7 @@ class LayoutRegistry:
         self._hinted.pop(instance, None)
         self._seen.pop(instance, None)
         self._chunk.pop(instance, None)
+        self._placed.pop(instance, None)
         self._resolved.clear()
 
     def set_learned(self, instance: str, layout: InstanceLayout) -> bool:
@@ -166,10 +229,16 @@ class LayoutRegistry:
         CPU stores
         (``block_size > 0``, one event per offloaded chunk, every block hash of a full
         attention or sliding-window group) give the chunk size; placeholder CPU stores
-        (``block_size == 0``) carry no geometry.
+        (``block_size == 0``) carry none themselves, but where their hash falls in the GPU
+        hash chains does (``router.decision.chunking.ChunkLearner``).
         """
         seen = self._seen.get(instance)
         changed = False
+        placed = self._placed.get(instance)
+        if placed is None:
+            placed = self._placed[instance] = ChunkLearner()
+        if placed.observe(batch) and instance not in self._chunk:
+            changed = True  # (self-describing events, when present, name the size itself)
         for ev in batch.events:
             if type(ev) is not BlockStored or ev.block_size <= 0:
                 continue
@@ -218,7 +287,12 @@ class LayoutRegistry:
                 groups.append(FullAttentionSpec(seen[min(seen)][2]))
         # The engine hashes at its own block size (vLLM picks it: 32 on CPU whatever was
         # asked, larger for Mamba hybrids); the events' block sizes are the truth.
-        tpc = self._chunk.get(instance) or (base.tokens_per_chunk if base is not None else None)
+        placed = self._placed.get(instance)
+        tpc = (
+            self._chunk.get(instance)
+            or (placed.tokens_per_chunk if placed is not None else None)
+            or (base.tokens_per_chunk if base is not None else None)
+        )
         layout = None
         for geometry in ((0, tpc), (0, None)):
             try:

@@ -14,7 +14,25 @@ from urllib.parse import urlparse
 
 from events.publisher import is_bind_endpoint
 
-__all__ = ["InstanceSpec", "from_kv_events_config", "parse_instance", "rank_specs"]
+__all__ = [
+    "CpuChunk",
+    "InstanceSpec",
+    "from_kv_events_config",
+    "from_kv_transfer_config",
+    "parse_instance",
+    "rank_specs",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class CpuChunk:
+    """An instance's CPU offload chunk as its ``--kv-transfer-config`` sets it: vLLM's
+    ``kv_connector_extra_config`` takes ``blocks_per_chunk`` (GPU blocks per chunk) or
+    ``block_size`` (tokens per chunk), one of them; neither means one block per chunk
+    (``offloading/config.py``). Exactly one field is set."""
+
+    blocks: int | None = None
+    tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +57,9 @@ class InstanceSpec:
     # A bare ``URL``: its event endpoints and data-parallel ranks are read from vLLM's
     # ``GET /kv_event_sources`` (``router.fleet.discovery``); ``URL=`` means no events.
     discover: bool = False
+    # ``kv_transfer_config=<JSON>``: the CPU chunk of the instance's OffloadingConnector
+    # (None: not given, the router learns it from the events).
+    cpu_chunk: CpuChunk | None = None
 
     @property
     def http_url(self) -> str:
@@ -64,6 +85,7 @@ def rank_specs(spec: InstanceSpec) -> list[InstanceSpec]:
             spec.bind,
             spec.models,
             dp_rank=r,
+            cpu_chunk=spec.cpu_chunk,
         )
         for r in range(spec.dp_size)
     ]
@@ -107,12 +129,65 @@ def from_kv_events_config(url: str, text: str) -> InstanceSpec:
     return InstanceSpec(url, events, replay, cfg.topic, bind=not binds)
 
 
+def from_kv_transfer_config(text: str) -> CpuChunk | None:
+    """The CPU chunk set by the exact ``--kv-transfer-config`` JSON an instance's vLLM was
+    started with; None when it runs no ``OffloadingConnector`` (no CPU tier to read).
+    Raises ValueError as vLLM would refuse the same settings."""
+    try:
+        cfg = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"bad --kv-transfer-config JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError("--kv-transfer-config must be a JSON object")
+    if cfg.get("kv_connector") != "OffloadingConnector":
+        return None
+    extra = cfg.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, dict):
+        raise ValueError("kv_connector_extra_config must be a JSON object")
+    blocks, tokens = extra.get("blocks_per_chunk"), extra.get("block_size")
+    if blocks is not None and tokens is not None:
+        raise ValueError("specify only one of 'block_size' or 'blocks_per_chunk'")
+    for key, value in (("blocks_per_chunk", blocks), ("block_size", tokens)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{key} must be an integer, got {value!r}")
+        if value is not None and value <= 0:
+            raise ValueError(f"{key} must be greater than 0, got {value}")
+    if tokens is not None:
+        return CpuChunk(tokens=tokens)
+    return CpuChunk(blocks=blocks if blocks is not None else 1)
+
+
+def _split_options(text: str, whole: str) -> list[str]:
+    """``,key=value`` options after an instance's events part; a value that starts with
+    ``{`` is a JSON object and may hold commas. Returns ``["", "key=value", ...]``."""
+    parts = [""]
+    i = 0
+    while i < len(text):
+        if text[i] != ",":
+            raise ValueError(f"expected ',option=value' in {whole!r}")
+        key, eq, _ = text[i + 1 :].partition("=")
+        start = i + 1 + len(key) + len(eq)
+        if eq and start < len(text) and text[start] == "{" and "," not in key:
+            try:
+                _, end = json.JSONDecoder().raw_decode(text, start)
+            except ValueError as exc:
+                raise ValueError(f"bad JSON for {key!r} in {whole!r}: {exc}") from None
+        else:
+            end = text.find(",", i + 1)
+            end = len(text) if end < 0 else end
+        parts.append(text[i + 1 : end])
+        i = end
+    return parts
+
+
 def parse_instance(text: str) -> InstanceSpec:
     """Parse one ``--instance`` value; raises ValueError with the reason.
 
     ``URL`` alone (endpoints and ranks discovered from the instance),
     ``URL=EVENTS[,replay=EP][,topic=T][,model=NAME]...[,dp=N]``, or ``URL=<vLLM's
-    --kv-events-config JSON>`` optionally followed by ``,model=NAME`` / ``,dp=N``.
+    --kv-events-config JSON>`` optionally followed by ``,model=NAME`` / ``,dp=N``; either
+    explicit form may add ``,kv_transfer_config=<vLLM's --kv-transfer-config JSON>`` (the
+    CPU offload chunk size, which placeholder CPU events do not carry).
     """
     url, eq, rest = text.strip().partition("=")
     url = url.rstrip("/")
@@ -128,25 +203,23 @@ def parse_instance(text: str) -> InstanceSpec:
         except ValueError as exc:
             raise ValueError(f"bad --kv-events-config JSON in {text!r}: {exc}") from None
         base = from_kv_events_config(url, rest[:end])
-        options = rest[end:]
-        if options and not options.startswith(","):
-            raise ValueError(f"expected ',option=value' after the JSON in {text!r}")
-        parts = ["", *options.split(",")[1:]] if options else []
-        return _with_options(base, parts, text, allowed=("model", "dp"))
-    parts = rest.split(",") if rest else []
-    events = parts[0] if parts else None
+        parts = _split_options(rest[end:], text)
+        return _with_options(base, parts, text, allowed=("model", "dp", "kv_transfer_config"))
+    events, _, options = rest.partition(",")
+    parts = _split_options("," + options, text) if options else []
     _check_endpoint(events or None)
-    return _with_options(InstanceSpec(url, events or None), parts, text)
+    return _with_options(InstanceSpec(url, events or None), parts or [events], text)
 
 
 def _with_options(
     spec: InstanceSpec,
     parts: list[str],
     text: str,
-    allowed: tuple[str, ...] = ("replay", "topic", "model", "dp"),
+    allowed: tuple[str, ...] = ("replay", "topic", "model", "dp", "kv_transfer_config"),
 ) -> InstanceSpec:
     """``spec`` with the ``key=value`` options of ``parts[1:]``."""
     replay, topic, models, dp = spec.replay, spec.topic, list(spec.models), spec.dp_size
+    chunk = spec.cpu_chunk
     for part in parts[1:]:
         key, _, value = part.partition("=")
         if key not in allowed:
@@ -162,7 +235,14 @@ def _with_options(
             if not value.isdigit() or int(value) < 1:
                 raise ValueError(f"dp must be a positive rank count, got {value!r} in {text!r}")
             dp = int(value)
-    spec = replace(spec, replay=replay, topic=topic, models=tuple(models), dp_size=dp)
+        elif key == "kv_transfer_config":
+            try:
+                chunk = from_kv_transfer_config(value)
+            except ValueError as exc:
+                raise ValueError(f"{exc} in {text!r}") from None
+    spec = replace(
+        spec, replay=replay, topic=topic, models=tuple(models), dp_size=dp, cpu_chunk=chunk
+    )
     if dp > 1:
         rank_specs(spec)  # an endpoint that cannot be offset per rank fails here
     return spec

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from events.structs import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from router.index.base import ApplyResult, Residency, SeqBatch, slot_of, tier_of, to_wire
+from router.index.base import ApplyResult, Residency, SeqBatch, Tier, slot_of, tier_of, to_wire
 from router.index.table import block_table
 
 __all__ = ["MemoryIndex"]
@@ -39,6 +39,9 @@ class _Instance:
     cols: dict[int, int] = field(default_factory=dict)  # slot -> column
     mask: int = 0  # bitset of the columns in ``cols``
     cursor: tuple[float, int] | None = None
+    # An AllBlocksCleared left the CPU tier standing; not yet known whether vLLM's reset
+    # emptied it too (``reset_external``): see ``apply_sync``.
+    cpu_unconfirmed: bool = False
 
 
 class MemoryIndex:
@@ -120,9 +123,16 @@ class MemoryIndex:
         res = ApplyResult(applied=True)
         if reset:
             res.cleared += self._drop(st)
+            st.cpu_unconfirmed = False
         for ev in batch.events:
             if type(ev) is BlockStored:
-                col = self._column(instance, st, slot_of(ev.group_idx, tier_of(ev.medium)))
+                slot = slot_of(ev.group_idx, tier_of(ev.medium))
+                if st.cpu_unconfirmed and slot & 1 and self._holds_key(st, slot, ev.block_hashes):
+                    # vLLM never stores a CPU key it holds (``prepare_store`` drops them):
+                    # the reset emptied its CPU tier (reset_external), so ours goes too.
+                    res.cleared += self._drop(st, int(Tier.CPU))
+                    st.cpu_unconfirmed = False
+                col = self._column(instance, st, slot)
                 res.stored += self._store(col, ev.block_hashes)
             elif type(ev) is BlockRemoved:
                 held = st.cols.get(slot_of(ev.group_idx, tier_of(ev.medium)))
@@ -133,7 +143,14 @@ class MemoryIndex:
                     res.removed += n
                     res.unknown += len(ev.block_hashes) - n
             elif type(ev) is AllBlocksCleared:
-                res.cleared += self._drop(st)
+                # vLLM's reset_prefix_cache: AllBlocksCleared empties the GPU tier; the
+                # CPU tier keeps serving unless reset_external also emptied it, which
+                # sends the same single event. Keep it, unconfirmed, until a CPU store
+                # says otherwise (above): a wrong keep over-predicts until then, a wrong
+                # drop would under-predict for as long as vLLM holds those chunks (it
+                # never announces a chunk it holds again).
+                res.cleared += self._drop(st, int(Tier.GPU))
+                st.cpu_unconfirmed = bool(st.cols)
         if seq is not None:
             st.cursor = (batch.ts, seq)
         self._table.trim_interned(_INTERN_MAX)
@@ -196,14 +213,30 @@ class MemoryIndex:
         fresh.frombytes(self._table.compact(col, log))
         self._logs[col] = fresh
 
-    def _drop(self, st: _Instance) -> int:
-        """Drop the instance's columns: O(entries they ever logged)."""
-        n = len(st.cols)
-        for col in st.cols.values():
+    def _drop(self, st: _Instance, tier: int | None = None) -> int:
+        """Drop the instance's columns (of one tier): O(entries they ever logged)."""
+        if tier is None:
+            n = len(st.cols)
+            for col in st.cols.values():
+                self._drop_column(col)
+            st.cols.clear()
+            st.mask = 0
+            return n
+        gone = [slot for slot in st.cols if slot & 1 == tier]
+        for slot in gone:
+            col = st.cols.pop(slot)
             self._drop_column(col)
-        st.cols.clear()
-        st.mask = 0
-        return n
+            st.mask &= ~(1 << col)
+        return len(gone)
+
+    def _holds_key(self, st: _Instance, slot: int, hashes: Sequence[Any]) -> bool:
+        """Whether the column holds a CPU store's chunk key, its last hash (the blocks
+        before it may be shared with a sibling chunk that branched inside the chunk)."""
+        col = st.cols.get(slot)
+        if col is None or not hashes:
+            return False
+        h = hashes[-1]
+        return bool(self._table.holders(h if type(h) is int else to_wire(h)) >> col & 1)
 
     def _drop_column(self, col: int) -> None:
         log = self._logs[col]

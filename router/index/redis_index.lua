@@ -59,18 +59,26 @@ if seq >= 0 then
   end
 end
 
+-- retire(tier): the instance's columns of that tier (0 GPU, 1 CPU), or all (nil); returns
+-- how many CPU columns were left behind.
 local retired = 0
-local function retire()
+local function retire(tier)
   local f = call('HGETALL', ikey)
+  local kept = 0
   for i = 1, #f, 2 do
     if sub(f[i], 1, 1) == '#' then
-      call('HDEL', P .. ':col', f[i + 1])
-      call('RPUSH', P .. ':dead', f[i + 1])
-      call('HDEL', ikey, f[i])
-      retired = retired + 1
+      if tier == nil or tonumber(sub(f[i], 2)) % 2 == tier then
+        call('HDEL', P .. ':col', f[i + 1])
+        call('RPUSH', P .. ':dead', f[i + 1])
+        call('HDEL', ikey, f[i])
+        retired = retired + 1
+      else
+        kept = kept + 1
+      end
     end
   end
   bump_colver(P)
+  return kept
 end
 
 local cols = {}
@@ -101,13 +109,31 @@ local function bulk(cmd, key, list)
   end
 end
 
-if ARGV[5] == '1' then retire() end
+if ARGV[5] == '1' then
+  retire()
+  call('HDEL', ikey, 'cpuq')
+end
+-- "cpuq": an AllBlocksCleared left the CPU tier standing, unconfirmed (see MemoryIndex).
+local cpuq = call('HEXISTS', ikey, 'cpuq') == 1
 
 local stored, removed, unknown = 0, 0, 0
 local bp = P .. ':b:'
 for i = 8, #ARGV, 3 do
   local op, slot, hs = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   if op == 'S' then
+    if cpuq and tonumber(slot) % 2 == 1 then
+      -- A CPU store of a key the column holds: vLLM never stores a key it holds, so its
+      -- CPU tier was emptied by that reset (reset_external): drop ours too.
+      -- The chunk key is the event's last hash (the blocks before it may be shared with
+      -- a sibling chunk that branched inside the chunk).
+      local c0 = column(slot, false)
+      if c0 and #hs >= 8 and call('GETBIT', bp .. sub(hs, #hs - 7, #hs), c0) == 1 then
+        retire(1)
+        cols = {}
+        cpuq = false
+        call('HDEL', ikey, 'cpuq')
+      end
+    end
     -- SETBIT says whether the column held the block: new entries get refcount 1 in one
     -- HSET per event, then every repeat (held before, or earlier in this event) is
     -- counted on top with HINCRBY.
@@ -208,7 +234,12 @@ for i = 8, #ARGV, 3 do
       bulk('HDEL', rv, gone)
     end
   elseif op == 'C' then
-    retire()
+    -- vLLM's reset_prefix_cache: the GPU tier goes; the CPU tier stays unless the reset
+    -- also emptied it (reset_external), which the same event cannot tell.
+    if retire(0) > 0 then
+      cpuq = true
+      call('HSET', ikey, 'cpuq', '1')
+    end
     cols = {}
   end
 end

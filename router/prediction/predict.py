@@ -12,8 +12,9 @@ at its block size -- on the request path (the next read, record or settle), neve
 ingest's loop. The owner keeps the only per-request state (its ``_Entry``), so a
 ``RouteDecision`` is never written after it is made.
 
-It is also ingest's listener (``router.ingest.IngestListener``): ``batch_learned`` feeds
-the eviction tracker the cost policy reads (``router.prediction.pressure``).
+It is also ingest's listener (``router.ingest.IngestListener``): ``batch_learned`` ends
+the credit of blocks the engine evicted from its GPU and feeds the eviction tracker the
+cost policy reads (``router.prediction.pressure``).
 
 With replicas on a Redis index, ``shared`` (``router.prediction.shared``) carries what this
 owner records and settles to the other replicas and gives back theirs: ``residency`` ORs
@@ -216,7 +217,10 @@ class PredictOnRoute:
     # ---- router.ingest.IngestListener -------------------------------------------------
 
     def batch_learned(self, instance: str, batch: KVEventBatch) -> None:
-        """A batch of ``instance``'s events is about to be applied."""
+        """A batch of ``instance``'s events is about to be applied: a GPU ``BlockRemoved``
+        ends the speculative credit of that block in that group (``observe``), then the
+        eviction tracker marks memory pressure."""
+        self.store.observe(instance, batch)
         if self.evictions is not None:
             self.evictions.observe(instance, batch)
 

@@ -42,7 +42,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from events.native import load
-from router.index.base import Residency, Tier, slot_of
+from events.structs import BlockRemoved, KVEventBatch
+from router.index.base import Residency, Tier, slot_of, tier_of
 
 __all__ = ["Held", "PyRefCounts", "SpeculativeResidency", "refcounts_type"]
 
@@ -165,6 +166,9 @@ class SpeculativeResidency:
         # Handles in recording order, hence expiry order (one TTL): purging looks only at
         # what expired.
         self._expiries: deque[Held] = deque()
+        # instance -> GPU slot -> hashes recorded here that the engine has since evicted
+        # from that group (``observe``): no longer credited.
+        self._evicted: dict[str, dict[int, set[int]]] = {}
 
     def now(self) -> float:
         """The clock entries expire by."""
@@ -220,6 +224,22 @@ class SpeculativeResidency:
         settled = self._settled.pop(instance, None)
         for handle in settled.values() if settled else ():
             self.release(instance, handle)
+        evicted = self._evicted.get(instance)
+        if evicted and sum(map(len, evicted.values())) > 4096:
+            self._prune_evicted(instance, evicted)
+
+    def _prune_evicted(self, instance: str, evicted: dict[int, set[int]]) -> None:
+        """Keep only evicted hashes some live entry still holds (bounds the sets on an
+        instance that always has requests in flight)."""
+        classes = self._classes.get(instance) or {}
+        for slot in list(evicted):
+            g = slot // 2
+            tables = [c for (bits, _), c in classes.items() if bits >> g & 1]
+            kept = {h for h in evicted[slot] if any(h in c for c in tables)}
+            if kept:
+                evicted[slot] = kept
+            else:
+                del evicted[slot]
 
     def release(self, instance: str, handle: Held | None) -> None:
         """Take one request's blocks back (each stays held while another request holds it).
@@ -232,6 +252,40 @@ class SpeculativeResidency:
             counts.remove(hs)
             if not len(counts) and classes and classes.get(key) is counts:
                 del classes[key]  # no request holds anything of it
+        if instance in self._evicted and not classes:
+            del self._evicted[instance]  # nothing recorded is left to mask
+
+    def observe(self, instance: str, batch: KVEventBatch) -> None:
+        """A batch of ``instance``'s events, before it is applied: a GPU ``BlockRemoved``
+        of a block recorded here ends its credit in that group.
+
+        vLLM publishes ``BlockRemoved`` exactly when it evicts a cached block
+        (``BlockPool._maybe_evict_cached_block``), and a block it evicted stays gone until
+        a later request stores it again (a new ``BlockStored``, which the index then
+        holds). An entry kept until its request's next batch (``flush``) or its TTL would
+        otherwise keep crediting it: a previous request's window tails and Mamba states,
+        evicted while its longer prompt ran, credited as GPU hits where vLLM loads them
+        from its CPU tier, or recomputes them. The CPU tier needs no credit moved to it:
+        the index learns it from the connector's CPU events."""
+        classes = self._classes.get(instance)
+        if not classes:
+            return
+        for ev in batch.events:
+            if type(ev) is not BlockRemoved or not ev.block_hashes:
+                continue
+            if tier_of(ev.medium) is not Tier.GPU:
+                continue
+            g = ev.group_idx or 0
+            held = [
+                h
+                for (bits, _), counts in classes.items()
+                if bits >> g & 1
+                for h in ev.block_hashes
+                if type(h) is int and h in counts
+            ]
+            if held:
+                slots = self._evicted.setdefault(instance, {})
+                slots.setdefault(slot_of(g, _GPU), set()).update(held)
 
     def residency(
         self, block_hashes: Sequence[int], instances: Iterable[str]
@@ -263,6 +317,12 @@ class SpeculativeResidency:
                         continue
                 for slot in _gpu_slots(bits):
                     res[slot] = res.get(slot, 0) | mask
+            evicted = self._evicted.get(name)
+            if evicted and res:
+                for slot, gone in evicted.items():
+                    m = res.get(slot)
+                    if m:
+                        res[slot] = m & ~_mask_of(block_hashes, gone)
             if res:
                 out[name] = res
         return out
@@ -270,6 +330,7 @@ class SpeculativeResidency:
     def forget(self, instance: str) -> None:
         """The instance is gone: drop what was recorded on it (its handles go dead)."""
         self._settled.pop(instance, None)
+        self._evicted.pop(instance, None)
         if self._classes.pop(instance, None) is None:
             return
         for handle in self._expiries:
@@ -289,3 +350,12 @@ class SpeculativeResidency:
     def __len__(self) -> int:
         """Distinct (instance, class, block) entries held."""
         return sum(len(c) for classes in self._classes.values() for c in classes.values())
+
+
+def _mask_of(block_hashes: Sequence[int], hashes: set[int]) -> int:
+    """Bit i set where ``block_hashes[i]`` is in ``hashes``."""
+    m = 0
+    for i, h in enumerate(block_hashes):
+        if h in hashes:
+            m |= 1 << i
+    return m

@@ -115,11 +115,42 @@ async def test_columns_reused_after_clear_do_not_leak_old_bits(index):
     assert await index.lookup(H[:10]) == {"b": {G0: 0b11 << 8, G1: 0b11 << 8}}
 
 
-async def test_all_blocks_cleared_drops_every_tier_of_that_instance_only(index):
+async def test_all_blocks_cleared_drops_the_gpu_tier_of_that_instance_only(index):
+    # vLLM's POST /reset_prefix_cache empties the GPU and sends AllBlocksCleared; its CPU
+    # tier keeps serving hits (reset_external=false, the default).
     await index.apply("a", batch(stored(H[:3], 0), stored(H[:3], 1), stored(H[:2], 0, "CPU")))
     await index.apply("b", batch(stored(H[:1], 0, "CPU")))
     await index.apply("a", batch(stored([H[8]]), AllBlocksCleared(), stored([H[9]], 1)))
-    assert await index.lookup([*H[:3], H[8], H[9]]) == {"a": {G1: 0b10000}, "b": {C0: 1}}
+    assert await index.lookup([*H[:3], H[8], H[9]]) == {"a": {G1: 0b10000, C0: 0b11}, "b": {C0: 1}}
+    # New CPU keys after the reset (what a kept tier stores next) leave it standing.
+    await index.apply("a", batch(stored(H[2:4], 0, "CPU")))
+    assert (await index.lookup(H[:4]))["a"] == {C0: 0b1111}
+
+
+async def test_a_cpu_store_of_a_held_key_after_a_reset_means_the_cpu_tier_was_emptied(index):
+    # reset_external=true empties vLLM's CPU tier too, with the same lone AllBlocksCleared;
+    # vLLM never stores a CPU key it holds, so a store of one the index holds proves it.
+    await index.apply("a", batch(stored(H[:4], 0, "CPU"), stored(H[:4], 1, "CPU")))
+    await index.apply("b", batch(stored(H[:4], 0, "CPU")))
+    await index.apply("a", batch(AllBlocksCleared()))
+    assert (await index.lookup(H[:4]))["a"] == {C0: 0b1111, C1: 0b1111}
+    # (A self-describing chunk may share leading blocks with a held sibling chunk: only
+    # its key, the last hash, counts.)
+    await index.apply("a", batch(stored([H[0], H[9]], 0, "CPU")))
+    assert (await index.lookup(H[:4]))["a"] == {C0: 0b1111, C1: 0b1111}
+    await index.apply("a", batch(stored(H[1:2], 0, "CPU")))
+    got = await index.lookup(H[:4])
+    assert got == {"a": {C0: 0b10}, "b": {C0: 0b1111}}  # b untouched
+    # Confirmed once: a later duplicate store (vLLM's re-store after eviction it announced)
+    # is an ordinary refcount again.
+    await index.apply("a", batch(stored(H[1:3], 0, "CPU")))
+    assert (await index.lookup(H[:4]))["a"] == {C0: 0b110}
+
+
+async def test_a_publisher_restart_still_drops_every_tier(index):
+    await index.apply("a", batch(stored(H[:2], 0), stored(H[:2], 0, "CPU")))
+    await index.apply("a", batch(stored(H[4:5], 0)), reset=True)
+    assert await index.lookup(H[:5]) == {"a": {G0: 0b10000}}
 
 
 async def test_reset_drops_state_in_the_same_step_as_the_batch(index):
@@ -231,6 +262,14 @@ async def test_random_event_streams_match_a_reference_model(index, seed):
     rng = random.Random(seed)
     universe = list(range(5000, 5040))
     refs: Counter[tuple[str, int, int]] = Counter()
+    cols: set[tuple[str, int]] = set()  # (instance, slot) columns that exist
+    unconfirmed: set[str] = set()  # CPU tiers an AllBlocksCleared left standing
+
+    def drop(name: str, tier: int | None) -> None:
+        for key in [k for k in refs if k[0] == name and tier in (None, k[1] % 2)]:
+            del refs[key]
+        cols.difference_update([c for c in cols if c[0] == name and tier in (None, c[1] % 2)])
+
     for step in range(120):
         name = rng.choice("abc")
         events, kind = [], rng.random()
@@ -239,7 +278,11 @@ async def test_random_event_streams_match_a_reference_model(index, seed):
         hs = rng.sample(universe, rng.randint(1, 6))
         if kind < 0.55:
             events.append(stored(hs, group, medium))
+            if name in unconfirmed and medium == "CPU" and refs[(name, slot, hs[-1])]:
+                drop(name, Tier.CPU)  # vLLM re-stored a key it held: its CPU tier was reset
+                unconfirmed.discard(name)
             refs.update((name, slot, h) for h in hs)
+            cols.add((name, slot))
         elif kind < 0.93:
             events.append(removed(hs, group, medium))
             for h in hs:
@@ -247,12 +290,13 @@ async def test_random_event_streams_match_a_reference_model(index, seed):
                     refs[(name, slot, h)] -= 1
         elif kind < 0.97:
             events.append(AllBlocksCleared())
-            for key in [k for k in refs if k[0] == name]:
-                del refs[key]
+            drop(name, Tier.GPU)
+            if any(c[0] == name for c in cols):
+                unconfirmed.add(name)
         else:
             await index.clear(name)
-            for key in [k for k in refs if k[0] == name]:
-                del refs[key]
+            drop(name, None)
+            unconfirmed.discard(name)
             continue
         await index.apply(name, batch(*events, ts=float(step)), seq=step)
     want: dict[str, dict[int, int]] = {}

@@ -43,6 +43,7 @@ async def test_lookup_equals_a_naive_model_of_residency(index, path, monkeypatch
         index = MemoryIndex(native=path == "native")
     rng = random.Random(7)
     model: dict[str, dict[int, Counter]] = {}
+    unconfirmed: set[str] = set()  # CPU tier kept by an AllBlocksCleared, not yet confirmed
     for step in range(160):
         name = rng.choice(NAMES)
         group, tier = rng.randrange(3), rng.choice([Tier.GPU, Tier.CPU])
@@ -51,6 +52,10 @@ async def test_lookup_equals_a_naive_model_of_residency(index, path, monkeypatch
         if roll < 0.6:
             hs = rng.sample(POOL, rng.randint(1, 8))
             await index.apply(name, batch(stored(hs, group, MEDIA[tier])))
+            held = model.get(name, {}).get(slot) or Counter()
+            if name in unconfirmed and tier is Tier.CPU and held[hs[-1]] > 0:
+                unconfirmed.discard(name)  # a re-stored CPU key: that reset emptied the tier
+                model[name] = {s: c for s, c in model[name].items() if s % 2 == Tier.GPU}
             model.setdefault(name, {}).setdefault(slot, Counter()).update(hs)
         elif roll < 0.85:
             counts = model.get(name, {}).get(slot)
@@ -61,10 +66,14 @@ async def test_lookup_equals_a_naive_model_of_residency(index, path, monkeypatch
                 counts.subtract(hs)
         elif roll < 0.93:
             await index.apply(name, batch(AllBlocksCleared()))
-            model.pop(name, None)
+            cpu = {s: c for s, c in model.get(name, {}).items() if s % 2 == Tier.CPU}
+            model[name] = cpu  # the GPU tier goes, the CPU tier stays (unconfirmed)
+            if cpu:
+                unconfirmed.add(name)
         else:
             await index.clear(name)
             model.pop(name, None)
+            unconfirmed.discard(name)
         if step % 8 == 0:
             hashes = rng.choices(POOL, k=rng.randint(1, 24))
             cands = (

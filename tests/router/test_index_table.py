@@ -176,6 +176,27 @@ def test_compaction_leaves_the_same_logs_on_both_tables() -> None:
     assert {h for h in hashes if h in blocks} <= set(logs[0])
 
 
+def test_a_reset_keeps_the_cpu_tier_unconfirmed_alike_on_both_tables() -> None:
+    """AllBlocksCleared drops only the GPU columns; the first CPU store of a chunk key a
+    CPU column holds drops the CPU tier (vLLM's reset_external emptied it); a CPU store
+    of a new key does not. Both tables end in the same state at every step."""
+    _need_c()
+    c, py = MemoryIndex(native=True), MemoryIndex(native=False)
+    gpu, cpu, fresh = [11, 12, 13], [12, 13], [99]
+    steps = [
+        (batch(stored(gpu), stored(cpu, 0, "CPU"), stored(cpu, 1, "CPU")), {0: 7, 1: 6, 3: 6}),
+        (batch(AllBlocksCleared()), {1: 6, 3: 6}),  # the GPU tier goes, the CPU tier stays
+        (batch(stored(fresh, 0, "CPU")), {1: 14, 3: 6}),  # a new key proves nothing
+        # A held key: the CPU tier was emptied (group 0's too), then the store applies.
+        (batch(stored([12, 13], 1, "CPU")), {3: 6}),
+    ]
+    for i, (b, want) in enumerate(steps):
+        assert c.apply_sync("a", b) == py.apply_sync("a", b), i
+        assert c.snapshot() == py.snapshot(), i
+        for idx in (c, py):
+            assert dict(idx.lookup_sync([11, 12, 13, 99]).get("a", {})) == want, i
+
+
 def _ordered(out: dict) -> list:
     return [(name, list(res.items())) for name, res in out.items()]
 

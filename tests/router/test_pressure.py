@@ -3,6 +3,8 @@ while; a CPU-tier removal, a store or silence does not."""
 
 from __future__ import annotations
 
+import math
+
 from events.structs import BlockRemoved, BlockStored, KVEventBatch
 from router.prediction.pressure import EvictionTracker
 
@@ -56,6 +58,9 @@ def test_the_router_feeds_the_tracker_from_ingest_and_the_cost_policy_reads_it()
     state = RouterState(RouterSettings(policy="cost"))
     tracker = state.prediction.evictions
     assert tracker is not None and state.ingest.listener is state.prediction
+    assert tracker.roomy("i") is False  # never heard from
+    state.prediction.batch_learned("i", _batch(BlockRemoved(block_hashes=[1], medium="GPU")))
+    assert tracker.roomy("i") is False and tracker._last["i"] > -math.inf
     assert state.policy.roomy == tracker.roomy
     off = RouterState(RouterSettings(policy="cost", eviction_window_s=0))
     assert off.prediction.evictions is None and off.policy.roomy is None

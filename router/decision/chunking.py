@@ -1,0 +1,91 @@
+"""An instance's CPU offload chunk size, learned from where its placeholder CPU events fall.
+
+vLLM's offloading connector keys a chunk of ``blocks_per_chunk`` GPU blocks by the hash of
+its **last** block (``request.block_hashes[(i + 1) * hashes_per_chunk - 1]``), and with
+its default placeholder events (``self_describing_kv_events`` false) a CPU
+``BlockStored`` names that one hash and nothing of the chunk's size (``block_size`` 0).
+The GPU events of the same prompt came earlier and announce its hash chain: a
+full-attention ``BlockStored`` lists consecutive block hashes after ``parent_block_hash``
+(None at the prompt's start), so the router can tell how many tokens each hash ends at.
+Every chunk key ends at a multiple of ``tokens_per_chunk``, so the GCD of the ends of the
+placeholders seen is the chunk size once two chunk indices without a common factor have
+been seen (chunk 0 is among the first stored of nearly every prompt).
+
+The learner keeps hash -> end only until the answer has held for ``settle_after``
+placeholders in a row, within ``max_tracked`` entries (oldest dropped first): an instance
+restarts (forgetting its layout starts a new learner) before its chunk size can change.
+"""
+
+from __future__ import annotations
+
+import math
+
+from events.structs import BlockStored, KVEventBatch
+from router.index.base import to_wire
+
+__all__ = ["ChunkLearner"]
+
+# vLLM spec kinds whose GPU stores list every block of a prompt in order (a window or
+# Mamba group skips blocks it does not retain).
+_CONTIGUOUS = {None, "full_attention", "mla_attention", "sink_full_attention"}
+
+
+class ChunkLearner:
+    """Tokens per CPU chunk from placeholder CPU events placed in GPU hash chains."""
+
+    __slots__ = ("_ends", "max_tracked", "placed", "settle_after", "settled", "tokens_per_chunk")
+
+    def __init__(self, *, max_tracked: int = 65536, settle_after: int = 64) -> None:
+        self._ends: dict[int, int] = {}  # wire hash -> tokens its block ends at
+        self.max_tracked = max_tracked
+        self.settle_after = settle_after
+        self.tokens_per_chunk: int | None = None
+        self.placed = 0  # placeholders placed since the answer last changed
+        self.settled = False
+
+    def observe(self, batch: KVEventBatch) -> bool:
+        """Read one batch (in stream order); True if the learned chunk size changed."""
+        if self.settled:
+            return False
+        changed = False
+        ends = self._ends
+        for ev in batch.events:
+            if type(ev) is not BlockStored or not ev.block_hashes:
+                continue
+            if ev.medium in (None, "GPU"):
+                if ev.block_size > 0 and ev.kv_cache_spec_kind in _CONTIGUOUS:
+                    self._chain(ev)
+            elif ev.block_size == 0 and len(ev.block_hashes) == 1:  # a placeholder
+                end = ends.get(_wire(ev.block_hashes[0]))
+                if end is None:
+                    continue  # its chain was announced before we listened
+                tpc = end if self.tokens_per_chunk is None else math.gcd(self.tokens_per_chunk, end)
+                if tpc != self.tokens_per_chunk:
+                    self.tokens_per_chunk, self.placed, changed = tpc, 0, True
+                else:
+                    self.placed += 1
+                    if self.placed >= self.settle_after:
+                        self.settled = True
+                        self._ends = {}
+                        return changed
+        return changed
+
+    def _chain(self, ev: BlockStored) -> None:
+        ends = self._ends
+        if ev.parent_block_hash is None:
+            base = 0
+        else:
+            found = ends.get(_wire(ev.parent_block_hash))
+            if found is None:
+                return  # the chain's start was not seen: its positions are unknown
+            base = found
+        bs = ev.block_size
+        hashes = [_wire(h) for h in ev.block_hashes]
+        ends.update(zip(hashes, range(base + bs, base + bs * (len(hashes) + 1), bs), strict=True))
+        if len(ends) > self.max_tracked:  # drop the oldest half (dicts keep insertion order)
+            for h in list(ends)[: len(ends) // 2]:
+                del ends[h]
+
+
+def _wire(h: object) -> int:
+    return h if type(h) is int else to_wire(h)  # type: ignore[arg-type]

@@ -1,0 +1,285 @@
+"""The router on vLLM's CPU tier: the chunk size (configured from ``--kv-transfer-config``,
+learned from self-describing events or from where placeholder events fall in the GPU hash
+chains, else vLLM's default of one block), the CPU hit read with it, and predict-on-route
+ending a block's GPU credit when vLLM evicts it. Event batches are shaped as vLLM 0.32's
+connector sends them (``docs/real-vllm-offload.md``): GPU stores per group at schedule time,
+one CPU ``BlockStored`` per chunk a batch later naming only the chunk's last hash."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from routerkit import batch, removed
+
+from events.structs import BlockStored
+from router.decision.chunking import ChunkLearner
+from router.decision.layout import InstanceLayout, LayoutRegistry
+from router.decision.score import Score, Scorer
+from router.fleet.specs import CpuChunk, parse_instance
+from router.index import MemoryIndex, Tier, slot_of
+from router.prediction.speculative import SpeculativeResidency
+
+BS = 32
+G0, C0 = slot_of(0, Tier.GPU), slot_of(0, Tier.CPU)
+
+
+def chain(n: int, base: int = 1000) -> list[int]:
+    return [base + i for i in range(n)]
+
+
+def gpu_store(
+    hashes: list[int],
+    parent: int | None = None,
+    group: int = 0,
+    kind: str = "full_attention",
+    window: int | None = None,
+) -> BlockStored:
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=parent,
+        token_ids=[1] * (BS * len(hashes)),
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        group_idx=group,
+        kv_cache_spec_kind=kind,
+        kv_cache_spec_sliding_window=window,
+    )
+
+
+def placeholder(h: int, group: int = 0) -> BlockStored:
+    """vLLM's default CPU event: the chunk's last hash, no parent, no tokens, size 0."""
+    return BlockStored(
+        block_hashes=[h],
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=0,
+        lora_id=None,
+        medium="CPU",
+        lora_name=None,
+        group_idx=group,
+    )
+
+
+def self_describing(hashes: list[int], parent: int | None, group: int = 0) -> BlockStored:
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=parent,
+        token_ids=[1] * (BS * len(hashes)),
+        block_size=BS,
+        lora_id=None,
+        medium="CPU",
+        lora_name=None,
+        group_idx=group,
+        kv_cache_spec_kind="full_attention",
+    )
+
+
+# ---- the instance's --kv-transfer-config ---------------------------------------------------
+
+
+def _transfer(**extra: object) -> str:
+    return json.dumps(
+        {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"spec_name": "X", "cpu_bytes_to_use": 1 << 23, **extra},
+        }
+    )
+
+
+def test_kv_transfer_config_gives_the_chunk_in_both_instance_forms():
+    events = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://*:5557"})
+    spec = parse_instance(
+        f"http://h:8000={events},kv_transfer_config={_transfer(blocks_per_chunk=2)},model=m"
+    )
+    assert spec.cpu_chunk == CpuChunk(blocks=2) and spec.models == ("m",)
+    assert spec.events == "tcp://h:5557"
+    legacy = parse_instance(
+        f"http://h:8000=tcp://h:5557,kv_transfer_config={_transfer(block_size=128)},topic=t"
+    )
+    assert legacy.cpu_chunk == CpuChunk(tokens=128) and legacy.topic == "t"
+    # vLLM's default when the connector is on and neither key is given: one block.
+    default = parse_instance(f"http://h:8000=tcp://h:1,kv_transfer_config={_transfer()}")
+    assert default.cpu_chunk == CpuChunk(blocks=1)
+    other = json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})
+    assert parse_instance(f"http://h:8000=tcp://h:1,kv_transfer_config={other}").cpu_chunk is None
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"blocks_per_chunk": 2, "block_size": 64}, {"blocks_per_chunk": 0}, {"block_size": "64"}],
+)
+def test_a_kv_transfer_config_vllm_would_refuse_is_a_clear_error(extra):
+    with pytest.raises(ValueError, match="block"):
+        parse_instance(f"http://h:8000=tcp://h:1,kv_transfer_config={_transfer(**extra)}")
+    with pytest.raises(ValueError, match="JSON"):
+        parse_instance("http://h:8000=tcp://h:1,kv_transfer_config={nope")
+
+
+# ---- learning the chunk size ---------------------------------------------------------------
+
+
+def test_placeholders_placed_in_gpu_chains_give_the_chunk_size():
+    learner = ChunkLearner()
+    hs = chain(7)
+    # Prefill in two scheduled chunks: the second store names its parent.
+    assert not learner.observe(batch(gpu_store(hs[:4]), gpu_store(hs[4:], parent=hs[3])))
+    # Two blocks per chunk: keys are blocks 1, 3, 5 (ends 64, 128, 192 tokens).
+    assert learner.observe(batch(placeholder(hs[3]), placeholder(hs[1]), placeholder(hs[5])))
+    assert learner.tokens_per_chunk == 2 * BS
+    # Placeholders of hashes never announced on the GPU (before we listened) are skipped.
+    assert not learner.observe(batch(placeholder(99)))
+    assert learner.tokens_per_chunk == 2 * BS
+
+
+def test_the_first_placeholder_alone_may_overestimate_until_chunk_zero_comes():
+    learner = ChunkLearner(settle_after=3)
+    hs = chain(8)
+    learner.observe(batch(gpu_store(hs)))
+    learner.observe(batch(placeholder(hs[3])))  # chunk 1 of 2-block chunks: ends at 128
+    assert learner.tokens_per_chunk == 4 * BS
+    learner.observe(batch(placeholder(hs[1])))
+    assert learner.tokens_per_chunk == 2 * BS
+    for h in (hs[5], hs[7], hs[3]):
+        learner.observe(batch(placeholder(h)))
+    assert learner.settled and learner.tokens_per_chunk == 2 * BS
+    assert not learner.observe(batch(gpu_store(chain(4, 5000)), placeholder(5000)))  # settled
+
+
+def test_window_and_mamba_stores_do_not_place_hashes():
+    learner = ChunkLearner()
+    hs = chain(6)
+    # A window group names only the blocks it retains: positions cannot be read from it.
+    learner.observe(batch(gpu_store([hs[4], hs[5]], kind="sliding_window", window=64, group=1)))
+    assert not learner.observe(batch(placeholder(hs[5], group=1)))
+    learner.observe(batch(gpu_store(hs)))
+    assert learner.observe(batch(placeholder(hs[5], group=1), placeholder(hs[2], group=2)))
+    assert learner.tokens_per_chunk == 3 * BS  # ends 192 and 96
+
+
+def _cpu_scenario(reg: LayoutRegistry, name: str = "a", *, self_desc: bool = False) -> list[int]:
+    hs = chain(8)
+    b1 = batch(gpu_store(hs))
+    if self_desc:
+        b2 = batch(
+            *(
+                self_describing(hs[c * 2 : c * 2 + 2], hs[c * 2 - 1] if c else None)
+                for c in range(4)
+            )
+        )
+    else:
+        b2 = batch(*(placeholder(hs[c * 2 + 1]) for c in range(4)))
+    reg.observe(name, b1)
+    reg.observe(name, b2)
+    return hs
+
+
+@pytest.mark.parametrize("self_desc", [False, True])
+def test_chunk_size_precedence_configured_then_learned_then_default(self_desc):
+    reg = LayoutRegistry()
+    _cpu_scenario(reg, "a", self_desc=self_desc)
+    got = reg.get("a")
+    assert got is not None and got.tokens_per_chunk == 2 * BS
+    want = "self-describing" if self_desc else "placeholder CPU events' places"
+    assert want in reg.chunk_source("a")
+    reg.configure_chunk("a", blocks=4)
+    got = reg.get("a")
+    assert got is not None and got.tokens_per_chunk == 4 * BS
+    assert reg.chunk_source("a") == "configured: kv_transfer_config blocks_per_chunk=4"
+    reg.configure_chunk("a", tokens=3 * BS)
+    assert reg.get("a").tokens_per_chunk == 3 * BS  # type: ignore[union-attr]
+    reg.configure_chunk("a")
+    assert reg.get("a").tokens_per_chunk == 2 * BS  # type: ignore[union-attr]
+    # GPU events only: vLLM's default, one block per chunk.
+    reg.observe("b", batch(gpu_store(chain(3, 7000))))
+    assert reg.get("b").tokens_per_chunk is None  # type: ignore[union-attr]
+    assert reg.chunk_source("b") == "default: one block per chunk (vLLM's default)"
+    # A restarted instance (forgotten) learns again.
+    reg.forget("a")
+    assert "a" not in reg._placed and reg.learned("a") is None
+
+
+async def test_placeholder_cpu_hits_at_two_blocks_per_chunk_are_scored_once_learned():
+    # The issue's case: vLLM served 512 tokens from CPU, the router predicted 0.
+    index, reg = MemoryIndex(), LayoutRegistry()
+    hs = chain(8)
+    b1 = batch(gpu_store(hs))
+    b2 = batch(*(placeholder(hs[c * 2 + 1]) for c in range(4)))
+    b3 = batch(*(removed([h]) for h in reversed(hs)))  # the GPU pool evicts them all
+    for b in (b1, b2, b3):
+        reg.observe("a", b)
+        await index.apply("a", b)
+    scorer = Scorer(index, reg)
+    prompt = 8 * BS + 5
+    assert await scorer.score(hs, prompt, ["a"]) == {"a": Score(0, 8 * BS)}
+    # Read at one block per chunk (what the router assumed before) the same events give 0.
+    one = Scorer(index, LayoutRegistry(configured={"a": InstanceLayout.full(BS)}))
+    assert await one.score(hs, prompt, ["a"]) == {"a": Score(0, 0)}
+
+
+def test_debug_chunk_keys_count_chunks_by_their_last_block():
+    from router.decision.explain import _chunk_info, _chunk_keys
+
+    layout = InstanceLayout.full(BS, tokens_per_chunk=2 * BS)
+    assert _chunk_keys(0b1010_1010, layout) == 4
+    assert _chunk_keys(0b0101_0101, layout) == 0  # blocks without their chunk's key
+    info = _chunk_info(layout, "configured")
+    assert info == {"tokens_per_chunk": 64, "blocks_per_chunk": 2, "source": "configured"}
+    assert _chunk_info(InstanceLayout.full(BS), "default")["blocks_per_chunk"] == 1  # type: ignore[index]
+
+
+# ---- predict-on-route ends with vLLM's eviction -------------------------------------------
+
+
+def test_a_gpu_eviction_ends_the_speculative_credit_of_that_block_in_that_group():
+    spec = SpeculativeResidency(ttl_s=60.0)
+    hs = chain(6)
+    g1 = slot_of(1, Tier.GPU)
+    h = spec.record("a", {0: hs, 1: hs[4:]}, whole=0b01)  # full attention + a window tail
+    assert spec.residency(hs, ["a"]) == {"a": {G0: 0b111111, g1: 0b110000}}
+    # While its longer prompt ran, vLLM evicted the window tail's first block and a
+    # full-attention block: neither is credited any more (the CPU tier, if it holds them,
+    # comes from the index).
+    spec.observe("a", batch(removed([hs[4]], 1), removed([hs[2]], 0), removed([hs[4]], 0, "CPU")))
+    assert spec.residency(hs, ["a"]) == {"a": {G0: 0b111011, g1: 0b100000}}
+    # Evictions of blocks nobody recorded, or on other instances, change nothing.
+    spec.observe("b", batch(removed([hs[0]], 0)))
+    spec.observe("a", batch(removed([12345], 0)))
+    assert spec.residency(hs, ["a"]) == {"a": {G0: 0b111011, g1: 0b100000}}
+    spec.settle("a", h)
+    spec.flush("a")
+    assert spec.residency(hs, ["a"]) == {} and not spec._evicted  # nothing left to mask
+    h2 = spec.record("a", {0: hs}, whole=0b1)
+    assert spec.residency(hs, ["a"]) == {"a": {G0: 0b111111}}  # a new record is credited
+    spec.release("a", h2)
+
+
+def test_ingest_tells_predict_on_route_of_gpu_evictions_before_the_batch_applies():
+    """The wiring: ingest's listener (``PredictOnRoute.batch_learned``) ends the credit."""
+    from router.config import RouterSettings
+    from router.state import RouterState
+
+    state = RouterState(RouterSettings(policy="cost"))
+    assert state.ingest.listener is state.prediction
+    store = state.prediction.store
+    hs = chain(4)
+    h = store.record("a", {0: hs}, whole=0b1)
+    assert store.residency(hs, ["a"]) == {"a": {G0: 0b1111}}
+    state.prediction.batch_learned("a", batch(removed([hs[1]], 0)))
+    assert store.residency(hs, ["a"]) == {"a": {G0: 0b1101}}
+    store.release("a", h)
+
+
+def test_the_speculative_group_classes_follow_real_layouts():
+    # Gemma-3-like: 5 window groups share one class; Qwen3-Next-like: 3 Mamba groups.
+    spec = SpeculativeResidency(ttl_s=60.0)
+    hs = chain(4)
+    groups = {g: hs[3:] for g in range(5)} | {5: hs}
+    spec.record("a", groups, whole=1 << 5)
+    spec.observe("a", batch(removed([hs[3]], 2)))
+    res = spec.residency(hs, ["a"])["a"]
+    assert res[slot_of(2, Tier.GPU)] == 0 and res[slot_of(1, Tier.GPU)] == 0b1000
+    assert res[slot_of(5, Tier.GPU)] == 0b1111
