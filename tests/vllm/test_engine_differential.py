@@ -18,14 +18,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from harness import EventRecorder, RecordedBatch, bind_mode_config, free_port
+from harness import (
+    CapturePublisher,
+    EventRecorder,
+    RecordedBatch,
+    bind_mode_config,
+    free_port,
+)
 from workload import FORCED_TOKEN, SAMPLING, Step, mixed_stream, next_messages, record_reply
 
 from engine_adapter.kv_cache_manager import KVCacheManager
 from engine_adapter.profiles import get_profile
 from engine_adapter.sim.core import EngineCore, SchedulerConfig
 from engine_adapter.sim.timing import TimingModel
-from events.publisher import NullEventPublisher
 from events.structs import BlockRemoved, BlockStored, KVEventBatch
 from events.tokenizer import ByteTokenizer, apply_chat_template
 
@@ -63,16 +68,6 @@ CASES = {
     "qwen3next-default-budget": Case("qwen3next", "mamba*3,full", 256, 256, 48, None),
     "llama-default-budget": Case("llama", "full", 128, None, 64, None),
 }
-
-
-class CapturePublisher(NullEventPublisher):
-    """Keeps what the simulated engine publishes, batch by batch."""
-
-    def __init__(self) -> None:
-        self.batches: list[KVEventBatch] = []
-
-    def publish(self, batch: KVEventBatch) -> None:
-        self.batches.append(batch)
 
 
 def tally(batches: list[KVEventBatch]) -> Counter[tuple[Any, ...]]:

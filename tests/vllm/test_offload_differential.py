@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from harness import CpuOffload, EventRecorder, VllmServer, bind_mode_config
+from harness import CapturePublisher, CpuOffload, EventRecorder, VllmServer, bind_mode_config
 from harness import free_port as harness_free_port
 from workload import FORCED_TOKEN, SAMPLING
 
@@ -39,7 +39,6 @@ from engine_adapter.offload import OffloadConfig
 from engine_adapter.profiles import get_profile
 from engine_adapter.sim.core import EngineCore, SchedulerConfig
 from engine_adapter.sim.timing import TimingModel
-from events.publisher import NullEventPublisher
 from events.structs import BlockRemoved, BlockStored, KVEventBatch
 
 pytestmark = pytest.mark.vllm
@@ -149,14 +148,6 @@ def stream(seed: int, n: int, doc_len: tuple[int, int], limit: int) -> list[Step
         else:
             steps.append(Step(kind))
     return steps
-
-
-class CapturePublisher(NullEventPublisher):
-    def __init__(self) -> None:
-        self.batches: list[KVEventBatch] = []
-
-    def publish(self, batch: KVEventBatch) -> None:
-        self.batches.append(batch)
 
 
 def tally(batches: list[KVEventBatch]) -> Counter[tuple[Any, ...]]:

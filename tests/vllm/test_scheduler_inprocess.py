@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import REPO
+from harness import REPO, CapturePublisher
 from workload import FORCED_TOKEN, mixed_stream, next_messages, record_reply
 
 from engine_adapter.kv_cache_manager import KVCacheManager
@@ -29,7 +29,6 @@ from engine_adapter.profiles import get_profile
 from engine_adapter.sim.core import EngineCore, SchedulerConfig
 from engine_adapter.sim.timing import TimingModel
 from engine_adapter.vllm_cpu import server_env
-from events.publisher import NullEventPublisher
 from events.structs import BlockRemoved, BlockStored, KVEventBatch
 from events.tokenizer import ByteTokenizer, apply_chat_template
 
@@ -120,14 +119,6 @@ def _run_vllm(python: Path, model_dir: Path, case: Case, stream: Any, src: Path 
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-class _Capture(NullEventPublisher):
-    def __init__(self) -> None:
-        self.batches: list[KVEventBatch] = []
-
-    def publish(self, batch: KVEventBatch) -> None:
-        self.batches.append(batch)
-
-
 def _tally(batches: list[KVEventBatch]) -> Counter[tuple[Any, ...]]:
     out: Counter[tuple[Any, ...]] = Counter()
     for batch in batches:
@@ -152,7 +143,7 @@ async def _run_ours(case: Case, stream: Any) -> list[tuple[int, Counter[tuple[An
         max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=budget,
     )
-    cap = _Capture()
+    cap = CapturePublisher()
     core = EngineCore(
         kv,
         timing=TimingModel(time_scale=1e9),
