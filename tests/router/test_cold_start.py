@@ -15,12 +15,14 @@ import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry
 from routerkit import (
+    G0,
     ScriptedUpstream,
     batch,
     catch_up,
     eventually,
     free_port,
     new_namespace,
+    rebind,
     removed,
     stored,
 )
@@ -28,12 +30,10 @@ from routerkit import (
 from events.publisher import ZmqEventPublisher
 from router.config import RouterSettings
 from router.http.app import create_app
-from router.index import MemoryIndex, Tier, slot_of
+from router.index import MemoryIndex
 from router.index.redis_index import RedisIndex
 from router.ingest import IngestManager
 from router.state import RouterState
-
-G0 = slot_of(0, Tier.GPU)
 
 
 @pytest.fixture
@@ -116,15 +116,6 @@ async def test_a_buffer_that_lost_early_batches_gives_a_partial_view_that_never_
     finally:
         await mgr.close()
         pub.shutdown()
-
-
-async def rebind(events: str, replay: str) -> ZmqEventPublisher:
-    for _ in range(50):
-        try:
-            return ZmqEventPublisher(endpoint=events, bind=True, replay_endpoint=replay)
-        except Exception:
-            await asyncio.sleep(0.1)
-    raise AssertionError("ports never became free")
 
 
 async def test_an_engine_restart_makes_a_partial_view_complete_again(endpoints):

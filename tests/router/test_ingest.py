@@ -7,14 +7,17 @@ import contextlib
 import time
 
 import pytest
-import zmq
 from prometheus_client import CollectorRegistry
 from routerkit import (
+    C0,
+    G0,
+    G1,
     batch,
     catch_up,
     eventually,
     free_port,
     new_namespace,
+    rebind,
     removed,
     stored,
 )
@@ -23,13 +26,10 @@ from events.publisher import ZmqEventPublisher
 from events.structs import KVEventBatch
 from events.subscriber import BatchesMissed, BatchReceived, SourceRestarted
 from router.decision.layout import InstanceLayout, LayoutRegistry
-from router.index import MemoryIndex, Tier, slot_of
+from router.index import MemoryIndex
 from router.index.redis_index import RedisIndex
 from router.ingest import IngestManager, InstanceSource
 from stack.procs import private_redis
-
-G0, G1 = slot_of(0, Tier.GPU), slot_of(1, Tier.GPU)
-C0 = slot_of(0, Tier.CPU)
 
 
 class ScriptedSource:
@@ -435,16 +435,6 @@ async def test_real_publisher_subscriber_path_feeds_the_index(index, endpoints):
     finally:
         await mgr.close()
         pub.shutdown()
-
-
-async def rebind(events: str, replay: str) -> ZmqEventPublisher:
-    """A new publisher on the same ports once the old one's sockets have let go."""
-    for _ in range(50):
-        try:
-            return ZmqEventPublisher(endpoint=events, bind=True, replay_endpoint=replay)
-        except zmq.ZMQError:
-            await asyncio.sleep(0.1)
-    raise AssertionError("ports never became free")
 
 
 async def test_real_publisher_restart_drops_the_old_incarnation(index, endpoints):

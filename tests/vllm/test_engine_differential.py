@@ -18,13 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from harness import (
-    CapturePublisher,
-    EventRecorder,
-    RecordedBatch,
-    bind_mode_config,
-    free_port,
-)
+from harness import CapturePublisher, EventRecorder, RecordedBatch, bind_mode_config, free_port
 from workload import FORCED_TOKEN, SAMPLING, Step, mixed_stream, next_messages, record_reply
 
 from engine_adapter.kv_cache_manager import KVCacheManager
