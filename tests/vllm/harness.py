@@ -35,7 +35,7 @@ from engine_adapter.vllm_cpu import (
     vllm_python,
 )
 from events.codec import DecodeError, decode_batch
-from events.publisher import END_SEQ, NullEventPublisher, is_bind_endpoint
+from events.publisher import END_SEQ, is_bind_endpoint
 from events.structs import BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from stack.procs import free_port, ipc_endpoint
 
@@ -43,7 +43,6 @@ __all__ = [
     "MAKE_MODELS",
     "MODEL_NAMES",
     "REPO",
-    "CapturePublisher",
     "CompletionResult",
     "CpuOffload",
     "EventRecorder",
@@ -455,17 +454,6 @@ def tokenize(
 
 
 # ---- events --------------------------------------------------------------------------------
-
-
-class CapturePublisher(NullEventPublisher):
-    """Keeps what the simulated engine publishes, batch by batch, for the differential
-    suites to compare with what vLLM really sent."""
-
-    def __init__(self) -> None:
-        self.batches: list[KVEventBatch] = []
-
-    def publish(self, batch: KVEventBatch) -> None:
-        self.batches.append(batch)
 
 
 @dataclass(frozen=True)
