@@ -10,6 +10,7 @@ import asyncio
 import os
 import time
 import uuid
+from collections.abc import Iterable
 from typing import Self
 
 import pytest
@@ -20,6 +21,7 @@ from events.structs import BlockRemoved, BlockStored, KVEventBatch
 from router.fleet.instances import Instance
 from router.fleet.specs import InstanceSpec
 from router.index import Tier, slot_of
+from router.ingest import InstanceSource
 from stack.procs import free_port
 
 __all__ = [
@@ -129,12 +131,22 @@ async def catch_up(manager, name: str, publisher, seq: int, timeout: float = 10.
 
 
 class PlayedSource:
-    """An event source that plays fixed subscriber items, then idles like a quiet publisher
-    until closed (``IngestManager``'s ``source_factory`` hook)."""
+    """An event source (``IngestManager``'s ``source_factory`` hook) that plays the
+    subscriber items queued on ``items`` -- those given and any put later, ``None`` ending
+    the stream -- and idles like a quiet publisher in between, until closed. ``source``,
+    ``start_seq``: what the factory was asked to subscribe to."""
 
-    def __init__(self, items: list) -> None:
-        self.items = list(items)
-        self._closed = asyncio.Event()
+    def __init__(
+        self,
+        items: Iterable[object] = (),
+        source: InstanceSource | None = None,
+        start_seq: int | None = None,
+    ) -> None:
+        self.source, self.start_seq = source, start_seq
+        self.items: asyncio.Queue = asyncio.Queue()
+        for item in items:
+            self.items.put_nowait(item)
+        self.closed = False
 
     async def start(self) -> None:
         return None
@@ -143,14 +155,16 @@ class PlayedSource:
         return self
 
     async def __anext__(self):
-        if self.items:
-            return self.items.pop(0)
-        await self._closed.wait()
-        raise StopAsyncIteration
+        if self.closed:
+            raise StopAsyncIteration
+        item = await self.items.get()
+        if item is None:
+            raise StopAsyncIteration
+        return item
 
     async def close(self) -> None:
-        self.items.clear()
-        self._closed.set()
+        self.closed = True
+        self.items.put_nowait(None)
 
 
 class StaticRegistry:

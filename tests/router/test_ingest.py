@@ -12,6 +12,7 @@ from routerkit import (
     C0,
     G0,
     G1,
+    PlayedSource,
     batch,
     catch_up,
     eventually,
@@ -32,44 +33,15 @@ from router.ingest import IngestManager, InstanceSource
 from stack.procs import private_redis
 
 
-class ScriptedSource:
-    """A subscriber stand-in: yields queued items, then waits for more until closed."""
-
-    def __init__(self, source: InstanceSource, start_seq: int | None) -> None:
-        self.source, self.start_seq = source, start_seq
-        self.items: asyncio.Queue = asyncio.Queue()
-        self.closed = False
-
-    async def start(self) -> None:
-        return None
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if self.closed:
-            raise StopAsyncIteration
-        item = await self.items.get()
-        if item is None:
-            raise StopAsyncIteration
-        return item
-
-    async def close(self) -> None:
-        self.closed = True
-        self.items.put_nowait(None)
-
-
 class Sources:
     """Source factory recording every subscription, with the items to play on each."""
 
     def __init__(self, *scripts: list) -> None:
         self.scripts = list(scripts)
-        self.made: list[ScriptedSource] = []
+        self.made: list[PlayedSource] = []
 
-    def __call__(self, source: InstanceSource, start_seq: int | None) -> ScriptedSource:
-        s = ScriptedSource(source, start_seq)
-        for item in self.scripts.pop(0) if self.scripts else []:
-            s.items.put_nowait(item)
+    def __call__(self, source: InstanceSource, start_seq: int | None) -> PlayedSource:
+        s = PlayedSource(self.scripts.pop(0) if self.scripts else [], source, start_seq)
         self.made.append(s)
         return s
 
@@ -270,7 +242,7 @@ async def test_layout_is_learned_shared_and_configurable():
     await mgr_heartbeat.close()
 
 
-class SlowCloseSource(ScriptedSource):
+class SlowCloseSource(PlayedSource):
     """A source whose close() swallows the caller's cancellation while it waits."""
 
     async def close(self) -> None:
@@ -281,10 +253,10 @@ class SlowCloseSource(ScriptedSource):
 
 async def test_removing_an_instance_stops_it_even_if_its_source_swallows_a_cancel():
     idx = MemoryIndex()
-    made: list[ScriptedSource] = []
+    made: list[PlayedSource] = []
 
     def factory(source, start_seq):
-        s = SlowCloseSource(source, start_seq)
+        s = SlowCloseSource(source=source, start_seq=start_seq)
         s.items.put_nowait(BatchesMissed(0, 0))  # forces a resync: close, re-subscribe
         made.append(s)
         return s
