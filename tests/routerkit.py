@@ -10,15 +10,26 @@ import asyncio
 import os
 import time
 import uuid
+from collections.abc import Iterable
+from typing import Self
 
 import pytest
+import zmq
 
+from events.publisher import ZmqEventPublisher
 from events.structs import BlockRemoved, BlockStored, KVEventBatch
 from router.fleet.instances import Instance
 from router.fleet.specs import InstanceSpec
+from router.index import Tier, slot_of
+from router.ingest import InstanceSource
 from stack.procs import free_port
 
 __all__ = [
+    "C0",
+    "C1",
+    "G0",
+    "G1",
+    "LoopbackHttp",
     "PlayedSource",
     "ScriptedUpstream",
     "batch",
@@ -27,9 +38,14 @@ __all__ = [
     "free_port",
     "new_namespace",
     "positions",
+    "rebind",
     "removed",
     "stored",
 ]
+
+# The (group, tier) slots the index and scoring tests name: groups 0 and 1 on GPU and CPU.
+G0, G1 = slot_of(0, Tier.GPU), slot_of(1, Tier.GPU)
+C0, C1 = slot_of(0, Tier.CPU), slot_of(1, Tier.CPU)
 
 
 def need_native(loaded: bool, what: str) -> None:
@@ -115,12 +131,22 @@ async def catch_up(manager, name: str, publisher, seq: int, timeout: float = 10.
 
 
 class PlayedSource:
-    """An event source that plays fixed subscriber items, then idles like a quiet publisher
-    until closed (``IngestManager``'s ``source_factory`` hook)."""
+    """An event source (``IngestManager``'s ``source_factory`` hook) that plays the
+    subscriber items queued on ``items`` -- those given and any put later, ``None`` ending
+    the stream -- and idles like a quiet publisher in between, until closed. ``source``,
+    ``start_seq``: what the factory was asked to subscribe to."""
 
-    def __init__(self, items: list) -> None:
-        self.items = list(items)
-        self._closed = asyncio.Event()
+    def __init__(
+        self,
+        items: Iterable[object] = (),
+        source: InstanceSource | None = None,
+        start_seq: int | None = None,
+    ) -> None:
+        self.source, self.start_seq = source, start_seq
+        self.items: asyncio.Queue = asyncio.Queue()
+        for item in items:
+            self.items.put_nowait(item)
+        self.closed = False
 
     async def start(self) -> None:
         return None
@@ -129,14 +155,16 @@ class PlayedSource:
         return self
 
     async def __anext__(self):
-        if self.items:
-            return self.items.pop(0)
-        await self._closed.wait()
-        raise StopAsyncIteration
+        if self.closed:
+            raise StopAsyncIteration
+        item = await self.items.get()
+        if item is None:
+            raise StopAsyncIteration
+        return item
 
     async def close(self) -> None:
-        self.items.clear()
-        self._closed.set()
+        self.closed = True
+        self.items.put_nowait(None)
 
 
 class StaticRegistry:
@@ -149,15 +177,35 @@ class StaticRegistry:
         return list(self.instances)
 
 
-class ScriptedUpstream:
+class LoopbackHttp:
+    """A raw asyncio server on a free loopback port while ``async with``-entered; ``url`` is
+    its ``http://`` base. A subclass's ``_serve`` handles each connection."""
+
+    def __init__(self) -> None:
+        self.url = ""
+        self._server: asyncio.Server | None = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+
+class ScriptedUpstream(LoopbackHttp):
     """A loopback HTTP/1.1 keep-alive engine stand-in, ``async with``-served: requests other
     than POST (the health probe) get ``200 {}``; a subclass's :meth:`answer` writes the
     answer to each POST. ``connections``: connections that carried a POST."""
 
     def __init__(self) -> None:
-        self.url = ""
+        super().__init__()
         self.connections = 0
-        self._server: asyncio.Server | None = None
 
     async def answer(
         self, head: bytes, body: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -189,11 +237,12 @@ class ScriptedUpstream:
         finally:
             writer.close()
 
-    async def __aenter__(self) -> ScriptedUpstream:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
-        return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
+async def rebind(events: str, replay: str) -> ZmqEventPublisher:
+    """A new publisher on the same ports once the old one's sockets have let go."""
+    for _ in range(50):
+        try:
+            return ZmqEventPublisher(endpoint=events, bind=True, replay_endpoint=replay)
+        except zmq.ZMQError:
+            await asyncio.sleep(0.1)
+    raise AssertionError("ports never became free")

@@ -20,6 +20,7 @@ __all__ = [
     "FuzzEventsResult",
     "FuzzHttpResult",
     "HttpFuzzRun",
+    "LostList",
     "MsgpackFuzzRun",
     "OversizeAnswer",
     "OversizeResult",
@@ -50,8 +51,20 @@ class ChaosResult(Protocol):
     def row(self) -> Row: ...
 
 
+class LostList:
+    """A result whose ``lost`` lists what the fault cost, described (must be empty);
+    ``lost_count`` is its length, derived so the list is held once."""
+
+    __slots__ = ()
+    lost: list[str]
+
+    @property
+    def lost_count(self) -> int:
+        return len(self.lost)
+
+
 @dataclass(frozen=True, slots=True)
-class EngineKillResult:
+class EngineKillResult(LostList):
     """``engine_kill``: engine A SIGKILLed while streams run, then restarted on its ports."""
 
     old_last_seq: int | None  # A's last applied seq before the kill (router's admin view)
@@ -73,10 +86,6 @@ class EngineKillResult:
     recovery_s: float  # restart -> the index holds A's new blocks
     up_after_restart_s: float  # restart -> the router marks A up
     rebuild_s: float  # A up -> its new events in the index
-
-    @property
-    def lost_count(self) -> int:
-        return len(self.lost)
 
     def row(self) -> Row:
         notes = (
@@ -130,7 +139,7 @@ class DroppedEventsResult:
 
 
 @dataclass(frozen=True, slots=True)
-class RedisOutageResult:
+class RedisOutageResult(LostList):
     """``redis_outage``: Redis SIGKILLed under load, restarted empty."""
 
     requests: int  # requests sent during the whole run
@@ -143,10 +152,6 @@ class RedisOutageResult:
     probe_view: dict[str, list[int]]  # engine URL -> index score for the probe, at the end
     index_errors: float  # the router's index errors (lookups that failed)
     resyncs: dict[str, float]  # engine URL -> ingest resyncs (history replayed from 0)
-
-    @property
-    def lost_count(self) -> int:
-        return len(self.lost)
 
     def row(self) -> Row:
         notes = (
@@ -286,7 +291,7 @@ class HttpFuzzRun:
 
 
 @dataclass(frozen=True, slots=True)
-class StreamLoadResult:
+class StreamLoadResult(LostList):
     """``stream_load``: concurrent streams through one router, each checked token for token."""
 
     streams: int  # concurrent streams per round
@@ -301,10 +306,6 @@ class StreamLoadResult:
     rss_after_mb: list[float]  # router RSS after each round settled
     running_after: dict[str, float]  # engine URL -> running requests the router counts, after
     inflight_after: dict[str, float]  # engine URL -> in-flight requests the router counts, after
-
-    @property
-    def lost_count(self) -> int:
-        return len(self.lost)
 
     def row(self) -> Row:
         times = {1: "", 2: ", twice"}.get(self.rounds, f", {self.rounds} times")

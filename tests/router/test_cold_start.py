@@ -15,12 +15,14 @@ import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry
 from routerkit import (
+    G0,
     ScriptedUpstream,
     batch,
     catch_up,
     eventually,
     free_port,
     new_namespace,
+    rebind,
     removed,
     stored,
 )
@@ -28,12 +30,10 @@ from routerkit import (
 from events.publisher import ZmqEventPublisher
 from router.config import RouterSettings
 from router.http.app import create_app
-from router.index import MemoryIndex, Tier, slot_of
+from router.index import MemoryIndex
 from router.index.redis_index import RedisIndex
 from router.ingest import IngestManager
 from router.state import RouterState
-
-G0 = slot_of(0, Tier.GPU)
 
 
 @pytest.fixture
@@ -72,15 +72,34 @@ async def held_by(index, name: str, n: int) -> set[int]:
     return {hashes[i] for i in range(n) if mask >> i & 1}
 
 
-async def test_a_buffer_that_still_holds_seq_0_rebuilds_a_complete_view(endpoints):
+def feed(
+    endpoints: tuple[str, str], buffer_steps: int
+) -> tuple[ZmqEventPublisher, MemoryIndex, CollectorRegistry, IngestManager]:
+    """A publisher on ``endpoints`` keeping ``buffer_steps`` batches for replay, and an
+    ingest manager (on its own metrics registry) feeding a fresh in-memory index."""
     events, replay = endpoints
-    pub = ZmqEventPublisher(endpoint=events, bind=True, replay_endpoint=replay, buffer_steps=100)
+    pub = ZmqEventPublisher(
+        endpoint=events, bind=True, replay_endpoint=replay, buffer_steps=buffer_steps
+    )
     index = MemoryIndex()
-    mgr = IngestManager(index, registry=CollectorRegistry())
+    reg = CollectorRegistry()
+    return pub, index, reg, IngestManager(index, registry=reg)
+
+
+async def join_after_history(
+    mgr: IngestManager, pub: ZmqEventPublisher, endpoints: tuple[str, str], n: int
+) -> None:
+    """Publish ``n`` batches of history, then add ``e1`` from seq 0 (what the buffer still
+    holds comes by replay) and wait until it has handled the last of them."""
+    publish_history(pub, n)
+    await mgr.add_instance("e1", *endpoints, start_seq=0)
+    await catch_up(mgr, "e1", pub, n - 1)
+
+
+async def test_a_buffer_that_still_holds_seq_0_rebuilds_a_complete_view(endpoints):
+    pub, index, _, mgr = feed(endpoints, buffer_steps=100)
     try:
-        publish_history(pub, 12)
-        await mgr.add_instance("e1", events, replay, start_seq=0)
-        await catch_up(mgr, "e1", pub, 11)
+        await join_after_history(mgr, pub, endpoints, 12)
         assert await held_by(index, "e1", 12) == cached_after(12)
         view = mgr.view("e1")
         assert view is not None
@@ -93,15 +112,9 @@ async def test_a_buffer_that_still_holds_seq_0_rebuilds_a_complete_view(endpoint
 async def test_a_buffer_that_lost_early_batches_gives_a_partial_view_that_never_over_predicts(
     endpoints,
 ):
-    events, replay = endpoints
-    pub = ZmqEventPublisher(endpoint=events, bind=True, replay_endpoint=replay, buffer_steps=5)
-    index = MemoryIndex()
-    reg = CollectorRegistry()
-    mgr = IngestManager(index, registry=reg)
+    pub, index, reg, mgr = feed(endpoints, buffer_steps=5)
     try:
-        publish_history(pub, 12)  # the buffer keeps seqs 7..11
-        await mgr.add_instance("e1", events, replay, start_seq=0)
-        await catch_up(mgr, "e1", pub, 11)
+        await join_after_history(mgr, pub, endpoints, 12)  # the buffer keeps seqs 7..11
         view = mgr.view("e1")
         assert view is not None
         assert (view["view"], view["lost_seqs"]) == ("partial", [0, 6])
@@ -118,29 +131,14 @@ async def test_a_buffer_that_lost_early_batches_gives_a_partial_view_that_never_
         pub.shutdown()
 
 
-async def rebind(events: str, replay: str) -> ZmqEventPublisher:
-    for _ in range(50):
-        try:
-            return ZmqEventPublisher(endpoint=events, bind=True, replay_endpoint=replay)
-        except Exception:
-            await asyncio.sleep(0.1)
-    raise AssertionError("ports never became free")
-
-
 async def test_an_engine_restart_makes_a_partial_view_complete_again(endpoints):
-    events, replay = endpoints
-    old = ZmqEventPublisher(endpoint=events, bind=True, replay_endpoint=replay, buffer_steps=3)
-    index = MemoryIndex()
-    reg = CollectorRegistry()
-    mgr = IngestManager(index, registry=reg)
+    old, index, _, mgr = feed(endpoints, buffer_steps=3)
     try:
-        publish_history(old, 8)
-        await mgr.add_instance("e1", events, replay, start_seq=0)
-        await catch_up(mgr, "e1", old, 7)
+        await join_after_history(mgr, old, endpoints, 8)
         assert mgr.view("e1")["view"] == "partial"
     finally:
         old.shutdown()
-    new = await rebind(events, replay)
+    new = await rebind(*endpoints)
     try:
         new.publish(batch(stored([7]), ts=time.time()))
 

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 import pytest
-from routerkit import batch, catch_up, eventually, free_port, stored
+from routerkit import LoopbackHttp, batch, catch_up, eventually, free_port, stored
 
 from events.publisher import ZmqEventPublisher
 from router.config import RouterSettings
@@ -36,16 +36,15 @@ def source(endpoint: str, replay: str | None = None, **extra: Any) -> dict[str, 
     } | extra
 
 
-class VllmFace:
+class VllmFace(LoopbackHttp):
     """``/kv_event_sources``, ``/health`` (503 while ``down``) and ``/v1/models`` over real
     HTTP on loopback; ``reads`` counts the reads of ``/kv_event_sources``."""
 
     def __init__(self, sources: dict[str, Any] | None) -> None:
+        super().__init__()
         self.sources = sources  # None: the endpoint is absent (404), as before vLLM 0.32
         self.down = False
         self.reads = 0
-        self.url = ""
-        self._server: asyncio.Server | None = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -74,15 +73,6 @@ class VllmFace:
         if path == "/v1/models":
             return 200, b'{"object":"list","data":[{"id":"tiny","object":"model"}]}'
         return 200, b"{}"
-
-    async def __aenter__(self) -> VllmFace:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
 
 
 def loopback() -> str:

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 from redis.crc import key_slot
 from redis.exceptions import ResponseError
-from routerkit import batch, new_namespace, positions, removed, stored
+from routerkit import C0, G0, G1, batch, new_namespace, positions, removed, stored
 
 from events.structs import AllBlocksCleared
 from router.index import MemoryIndex, Tier, open_index, slot_of
@@ -26,8 +26,6 @@ from router.index.redis_cluster import (
 )
 from router.index.redis_index import RedisIndex, namespace_for
 
-G0, G1 = slot_of(0, Tier.GPU), slot_of(1, Tier.GPU)
-C0, C1 = slot_of(0, Tier.CPU), slot_of(1, Tier.CPU)
 H = [1000 + i for i in range(64)]
 
 

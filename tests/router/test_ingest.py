@@ -7,14 +7,18 @@ import contextlib
 import time
 
 import pytest
-import zmq
 from prometheus_client import CollectorRegistry
 from routerkit import (
+    C0,
+    G0,
+    G1,
+    PlayedSource,
     batch,
     catch_up,
     eventually,
     free_port,
     new_namespace,
+    rebind,
     removed,
     stored,
 )
@@ -23,40 +27,10 @@ from events.publisher import ZmqEventPublisher
 from events.structs import KVEventBatch
 from events.subscriber import BatchesMissed, BatchReceived, SourceRestarted
 from router.decision.layout import InstanceLayout, LayoutRegistry
-from router.index import MemoryIndex, Tier, slot_of
+from router.index import MemoryIndex
 from router.index.redis_index import RedisIndex
 from router.ingest import IngestManager, InstanceSource
 from stack.procs import private_redis
-
-G0, G1 = slot_of(0, Tier.GPU), slot_of(1, Tier.GPU)
-C0 = slot_of(0, Tier.CPU)
-
-
-class ScriptedSource:
-    """A subscriber stand-in: yields queued items, then waits for more until closed."""
-
-    def __init__(self, source: InstanceSource, start_seq: int | None) -> None:
-        self.source, self.start_seq = source, start_seq
-        self.items: asyncio.Queue = asyncio.Queue()
-        self.closed = False
-
-    async def start(self) -> None:
-        return None
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if self.closed:
-            raise StopAsyncIteration
-        item = await self.items.get()
-        if item is None:
-            raise StopAsyncIteration
-        return item
-
-    async def close(self) -> None:
-        self.closed = True
-        self.items.put_nowait(None)
 
 
 class Sources:
@@ -64,12 +38,10 @@ class Sources:
 
     def __init__(self, *scripts: list) -> None:
         self.scripts = list(scripts)
-        self.made: list[ScriptedSource] = []
+        self.made: list[PlayedSource] = []
 
-    def __call__(self, source: InstanceSource, start_seq: int | None) -> ScriptedSource:
-        s = ScriptedSource(source, start_seq)
-        for item in self.scripts.pop(0) if self.scripts else []:
-            s.items.put_nowait(item)
+    def __call__(self, source: InstanceSource, start_seq: int | None) -> PlayedSource:
+        s = PlayedSource(self.scripts.pop(0) if self.scripts else [], source, start_seq)
         self.made.append(s)
         return s
 
@@ -270,7 +242,7 @@ async def test_layout_is_learned_shared_and_configurable():
     await mgr_heartbeat.close()
 
 
-class SlowCloseSource(ScriptedSource):
+class SlowCloseSource(PlayedSource):
     """A source whose close() swallows the caller's cancellation while it waits."""
 
     async def close(self) -> None:
@@ -281,10 +253,10 @@ class SlowCloseSource(ScriptedSource):
 
 async def test_removing_an_instance_stops_it_even_if_its_source_swallows_a_cancel():
     idx = MemoryIndex()
-    made: list[ScriptedSource] = []
+    made: list[PlayedSource] = []
 
     def factory(source, start_seq):
-        s = SlowCloseSource(source, start_seq)
+        s = SlowCloseSource(source=source, start_seq=start_seq)
         s.items.put_nowait(BatchesMissed(0, 0))  # forces a resync: close, re-subscribe
         made.append(s)
         return s
@@ -435,16 +407,6 @@ async def test_real_publisher_subscriber_path_feeds_the_index(index, endpoints):
     finally:
         await mgr.close()
         pub.shutdown()
-
-
-async def rebind(events: str, replay: str) -> ZmqEventPublisher:
-    """A new publisher on the same ports once the old one's sockets have let go."""
-    for _ in range(50):
-        try:
-            return ZmqEventPublisher(endpoint=events, bind=True, replay_endpoint=replay)
-        except zmq.ZMQError:
-            await asyncio.sleep(0.1)
-    raise AssertionError("ports never became free")
 
 
 async def test_real_publisher_restart_drops_the_old_incarnation(index, endpoints):

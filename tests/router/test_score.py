@@ -6,7 +6,7 @@ import random
 
 import pytest
 from prometheus_client import CollectorRegistry
-from routerkit import PlayedSource, batch, stored
+from routerkit import C0, C1, G0, G1, PlayedSource, batch, stored
 
 from events.groups import (
     FullAttentionSpec,
@@ -18,10 +18,7 @@ from events.offload_hit import offload_hit
 from events.subscriber import BatchReceived
 from router.decision.layout import InstanceLayout, LayoutRegistry
 from router.decision.score import Score, Scorer, score_residency
-from router.index import Tier, slot_of
 
-G0, G1 = slot_of(0, Tier.GPU), slot_of(1, Tier.GPU)
-C0, C1 = slot_of(0, Tier.CPU), slot_of(1, Tier.CPU)
 FULL = InstanceLayout.full(16)
 SWA = InstanceLayout((FullAttentionSpec(16), SlidingWindowSpec(16, 64)), tokens_per_chunk=64)
 MAMBA = InstanceLayout((FullAttentionSpec(16), MambaSpec(16)), tokens_per_chunk=64)

@@ -62,6 +62,7 @@ __all__ = [
     "tokenize",
     "vllm_binds",
     "vllm_python",
+    "wait_for",
 ]
 
 logger = logging.getLogger(__name__)
@@ -627,3 +628,16 @@ def recording(kv_events_config: dict[str, Any]) -> Iterator[EventRecorder]:
         yield rec
     finally:
         rec.close()
+
+
+def wait_for(read: Callable[[], Any], ok: Callable[[Any], bool], timeout: float) -> Any:
+    """Poll ``read()`` every 0.1 s until ``ok`` accepts its value, which is returned;
+    ``TimeoutError`` naming the last value after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = read()
+        if ok(value):
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met: {value}")
+        time.sleep(0.1)

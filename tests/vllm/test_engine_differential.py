@@ -19,14 +19,12 @@ from typing import Any
 
 import pytest
 from harness import EventRecorder, RecordedBatch, bind_mode_config, free_port
+from simkit import sim_engine, tally
 from workload import FORCED_TOKEN, SAMPLING, Step, mixed_stream, next_messages, record_reply
 
-from engine_adapter.kv_cache_manager import KVCacheManager
 from engine_adapter.profiles import get_profile
-from engine_adapter.sim.core import EngineCore, SchedulerConfig
-from engine_adapter.sim.timing import TimingModel
-from events.publisher import NullEventPublisher
-from events.structs import BlockRemoved, BlockStored, KVEventBatch
+from engine_adapter.sim.core import EngineCore
+from events.structs import BlockRemoved, BlockStored
 from events.tokenizer import ByteTokenizer, apply_chat_template
 
 pytestmark = pytest.mark.vllm
@@ -65,34 +63,13 @@ CASES = {
 }
 
 
-class CapturePublisher(NullEventPublisher):
-    """Keeps what the simulated engine publishes, batch by batch."""
-
-    def __init__(self) -> None:
-        self.batches: list[KVEventBatch] = []
-
-    def publish(self, batch: KVEventBatch) -> None:
-        self.batches.append(batch)
-
-
-def tally(batches: list[KVEventBatch]) -> Counter[tuple[Any, ...]]:
-    """(type, group, hash) for every stored / removed hash, plus BlockStored events per
-    group (vLLM emits one even when retention leaves it no hash)."""
-    out: Counter[tuple[Any, ...]] = Counter()
-    for batch in batches:
-        for ev in batch.events:
-            if isinstance(ev, BlockStored):
-                out[("stored_events", ev.group_idx)] += 1
-                out.update(("stored", ev.group_idx, h) for h in ev.block_hashes)
-            elif isinstance(ev, BlockRemoved):
-                out.update(("removed", ev.group_idx, h) for h in ev.block_hashes)
-            else:
-                out[(type(ev).__name__,)] += 1
-    return out
+def by_group(ev: BlockStored | BlockRemoved) -> tuple[int | None]:
+    """What the GPU-only comparison keys events on: the KV cache group."""
+    return (ev.group_idx,)
 
 
 def _vllm_tally(recs: list[RecordedBatch]) -> Counter[tuple[Any, ...]]:
-    return tally([r.batch for r in recs])
+    return tally([r.batch for r in recs], by_group)
 
 
 async def _ours(core: EngineCore, rid: str, ids: list[int], max_tokens: int) -> tuple[int, str]:
@@ -121,20 +98,12 @@ async def test_simulated_engine_matches_vllm_request_by_request(
         max_num_batched_tokens=case.chunk_budget,
         max_model_len=MAX_MODEL_LEN,
     )
-    kv = KVCacheManager(
+    core, captured = sim_engine(
         get_profile(case.model, layout=case.layout, block_size=case.block_size),
         case.num_gpu_blocks,
+        case.budget,
+        MAX_MODEL_LEN,
         allocate_kv=False,
-        hash_algo="sha256_cbor",
-        max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=case.budget,
-    )
-    captured = CapturePublisher()
-    core = EngineCore(
-        kv,
-        timing=TimingModel(time_scale=1e9),
-        scheduler=SchedulerConfig(128, case.budget, MAX_MODEL_LEN),
-        publisher=captured,
     )
     await core.start()
     tok = ByteTokenizer()
@@ -159,7 +128,7 @@ async def test_simulated_engine_matches_vllm_request_by_request(
             cached, reply = await _ours(core, f"r{i}", ids, step.max_tokens)
             assert reply == res.text == chr(FORCED_TOKEN) * step.max_tokens
             record_reply(chats, step, res.text)
-            want = tally(captured.batches)
+            want = tally(captured.batches, by_group)
             try:
                 rec.wait_until(lambda recs, w=want: _vllm_tally(recs) == w, timeout=10)
                 same_events = True

@@ -32,15 +32,14 @@ from typing import Any
 import pytest
 from harness import CpuOffload, EventRecorder, VllmServer, bind_mode_config
 from harness import free_port as harness_free_port
+from simkit import sim_engine
+from simkit import tally as tally_events
 from workload import FORCED_TOKEN, SAMPLING
 
-from engine_adapter.kv_cache_manager import KVCacheManager
 from engine_adapter.offload import OffloadConfig
 from engine_adapter.profiles import get_profile
-from engine_adapter.sim.core import EngineCore, SchedulerConfig
-from engine_adapter.sim.timing import TimingModel
-from events.publisher import NullEventPublisher
-from events.structs import BlockRemoved, BlockStored, KVEventBatch
+from engine_adapter.sim.core import EngineCore
+from events.structs import BlockStored, KVEventBatch
 
 pytestmark = pytest.mark.vllm
 log = logging.getLogger(__name__)
@@ -151,30 +150,15 @@ def stream(seed: int, n: int, doc_len: tuple[int, int], limit: int) -> list[Step
     return steps
 
 
-class CapturePublisher(NullEventPublisher):
-    def __init__(self) -> None:
-        self.batches: list[KVEventBatch] = []
-
-    def publish(self, batch: KVEventBatch) -> None:
-        self.batches.append(batch)
-
-
 def tally(batches: list[KVEventBatch]) -> Counter[tuple[Any, ...]]:
     """(type, medium, group, hash) per stored / removed hash, BlockStored events per
-    (medium, group), and other event types."""
-    out: Counter[tuple[Any, ...]] = Counter()
+    (medium, group), other event types, and the shape of every CPU BlockStored."""
+    out = tally_events(batches, lambda ev: (ev.medium, ev.group_idx))
     for batch in batches:
         for ev in batch.events:
-            if isinstance(ev, BlockStored):
-                out[("stored_events", ev.medium, ev.group_idx)] += 1
-                out.update(("stored", ev.medium, ev.group_idx, h) for h in ev.block_hashes)
-                if ev.medium == "CPU":
-                    shape = (len(ev.block_hashes), len(ev.token_ids), ev.block_size)
-                    out[("cpu_shape", ev.group_idx, *shape)] += 1
-            elif isinstance(ev, BlockRemoved):
-                out.update(("removed", ev.medium, ev.group_idx, h) for h in ev.block_hashes)
-            else:
-                out[(type(ev).__name__,)] += 1
+            if isinstance(ev, BlockStored) and ev.medium == "CPU":
+                shape = (len(ev.block_hashes), len(ev.token_ids), ev.block_size)
+                out[("cpu_shape", ev.group_idx, *shape)] += 1
     return out
 
 
@@ -246,25 +230,17 @@ async def test_offload_tier_matches_vllm_connector_request_by_request(
     num_chunks = vllm_num_chunks(server)
     log.info("%s: vLLM's CPU tier has %d chunks", cell.name, num_chunks)
     assert num_chunks > 0
-    kv = KVCacheManager(
+    core, captured = sim_engine(
         get_profile(cell.model, layout=cell.layout, block_size=cell.block_size, page_bytes=64),
         cell.num_gpu_blocks,
+        cell.chunk_budget,
+        cell.max_model_len,
         offload=OffloadConfig(
             num_chunks,
             blocks_per_chunk=cell.blocks_per_chunk,
             policy=cell.policy,
             self_describing=cell.self_describing,
         ),
-        hash_algo="sha256_cbor",
-        max_model_len=cell.max_model_len,
-        max_num_batched_tokens=cell.chunk_budget,
-    )
-    captured = CapturePublisher()
-    core = EngineCore(
-        kv,
-        timing=TimingModel(time_scale=1e9),
-        scheduler=SchedulerConfig(128, cell.chunk_budget, cell.max_model_len),
-        publisher=captured,
     )
     await core.start()
     steps = stream(7, cell.n, cell.doc_len, cell.max_model_len)

@@ -16,11 +16,10 @@ import json
 import logging
 import subprocess
 import sys
-import time
 from typing import Any
 
 import pytest
-from harness import bind_mode_config, connect_mode_config, free_port
+from harness import bind_mode_config, connect_mode_config, free_port, wait_for
 from router_driver import Outcome, RouterUnderTest
 from workload import burst, mixed_stream
 
@@ -35,17 +34,6 @@ BLOCK_FLAGS: dict[str, tuple[int | None, int | None]] = {
     "qwen3next": (None, None),
 }
 POOL = {"llama": 64, "gemma3": 240, "qwen3next": 48}
-
-
-def _wait_for(read: Any, ok: Any, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = read()
-        if ok(value):
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"condition not met: {value}")
-        time.sleep(0.1)
 
 
 def _events_tail_prints_vllm_events(cfg: dict[str, Any]) -> None:
@@ -106,7 +94,9 @@ def test_router_predicts_vllm_cached_tokens(model: str, vllm_server: Any, tmp_pa
     try:
         # 0. Before any event, the router hashes at the block size vLLM reports in its
         # /metrics (vllm:cache_config_info), not at its own default of 16.
-        hinted = _wait_for(router.layouts, lambda m: all("metrics" in s for _, s in m.values()))
+        hinted = wait_for(
+            router.layouts, lambda m: all("metrics" in s for _, s in m.values()), 30.0
+        )
         # 1. Sequential: every prediction exact, and the request goes where the hit is.
         chats: dict[int, list[dict[str, str]]] = {}
         rows = router.run_sequential(mixed_stream(seed=11, n=48), chats)

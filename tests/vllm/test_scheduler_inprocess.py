@@ -22,14 +22,11 @@ from typing import Any
 
 import pytest
 from harness import REPO
+from simkit import sim_engine
 from workload import FORCED_TOKEN, mixed_stream, next_messages, record_reply
 
-from engine_adapter.kv_cache_manager import KVCacheManager
 from engine_adapter.profiles import get_profile
-from engine_adapter.sim.core import EngineCore, SchedulerConfig
-from engine_adapter.sim.timing import TimingModel
 from engine_adapter.vllm_cpu import server_env
-from events.publisher import NullEventPublisher
 from events.structs import BlockRemoved, BlockStored, KVEventBatch
 from events.tokenizer import ByteTokenizer, apply_chat_template
 
@@ -120,14 +117,6 @@ def _run_vllm(python: Path, model_dir: Path, case: Case, stream: Any, src: Path 
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-class _Capture(NullEventPublisher):
-    def __init__(self) -> None:
-        self.batches: list[KVEventBatch] = []
-
-    def publish(self, batch: KVEventBatch) -> None:
-        self.batches.append(batch)
-
-
 def _tally(batches: list[KVEventBatch]) -> Counter[tuple[Any, ...]]:
     out: Counter[tuple[Any, ...]] = Counter()
     for batch in batches:
@@ -144,20 +133,12 @@ def _tally(batches: list[KVEventBatch]) -> Counter[tuple[Any, ...]]:
 
 async def _run_ours(case: Case, stream: Any) -> list[tuple[int, Counter[tuple[Any, ...]]]]:
     budget = case.budget
-    kv = KVCacheManager(
+    core, cap = sim_engine(
         get_profile(case.layout, layout=case.profile, block_size=case.block_size),
         case.num_blocks,
+        budget,
+        MAX_MODEL_LEN,
         allocate_kv=False,
-        hash_algo="sha256_cbor",
-        max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=budget,
-    )
-    cap = _Capture()
-    core = EngineCore(
-        kv,
-        timing=TimingModel(time_scale=1e9),
-        scheduler=SchedulerConfig(128, budget, MAX_MODEL_LEN),
-        publisher=cap,
     )
     await core.start()
     rows = []

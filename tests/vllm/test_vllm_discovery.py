@@ -10,13 +10,12 @@ other endpoints. One server, restarted once (about a minute of CI on top of star
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from harness import bind_mode_config, free_port
+from harness import bind_mode_config, free_port, wait_for
 from router_driver import RouterUnderTest
 from workload import mixed_stream
 
@@ -25,17 +24,6 @@ log = logging.getLogger(__name__)
 
 COMMON = {"num_gpu_blocks": 64, "max_num_batched_tokens": 256, "max_model_len": 2048}
 START_S = 600.0  # a loaded 2-core machine has taken more than the harness's 240 s
-
-
-def _wait_for(read: Any, ok: Any, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = read()
-        if ok(value):
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"condition not met: {value}")
-        time.sleep(0.1)
 
 
 @pytest.mark.timeout(1800)
@@ -57,7 +45,7 @@ def test_router_given_only_the_url_follows_vllm_and_rereads_after_a_restart(
         models = httpx.get(f"{router.url}/v1/models", timeout=5).json()["data"]
         assert [m["id"] for m in models] == [a.served_model_name]
         # The block size vLLM chose, from its /metrics before any event.
-        size, _ = _wait_for(lambda: router.layouts()[a.url], lambda v: "metrics" in v[1])
+        size, _ = wait_for(lambda: router.layouts()[a.url], lambda v: "metrics" in v[1], 60.0)
         rows = router.run_sequential(mixed_stream(seed=21, n=14), {})
         exact = sum(r.exact for r in rows)
         hits = sum(r.cached > 0 for r in rows)
@@ -73,9 +61,10 @@ def test_router_given_only_the_url_follows_vllm_and_rereads_after_a_restart(
             vllm_models / "llama", port=a.port, kv_events_config=new_cfg, timeout=START_S, **COMMON
         )
         router.forget_seqs(a)
-        got = _wait_for(
+        got = wait_for(
             lambda: router.instances().get(a.url, {}),
             lambda i: i.get("events") == new_cfg["endpoint"],
+            60.0,
         )
         assert got["replay"] == new_cfg["replay_endpoint"]
         rows = router.run_sequential(mixed_stream(seed=22, n=8), {})

@@ -1,0 +1,77 @@
+"""Our simulated engine as the differential suites run it beside real vLLM: built with
+vLLM's limits, its events captured batch by batch and tallied for comparison.
+
+A plain module on the test path beside ``harness`` (which drives real vLLM); the suites
+import both.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from engine_adapter.kv_cache_manager import KVCacheManager
+from engine_adapter.profiles import ModelProfile
+from engine_adapter.sim.core import EngineCore, SchedulerConfig
+from engine_adapter.sim.timing import TimingModel
+from events.publisher import NullEventPublisher
+from events.structs import BlockRemoved, BlockStored, KVEventBatch
+
+__all__ = ["CapturePublisher", "sim_engine", "tally"]
+
+
+class CapturePublisher(NullEventPublisher):
+    """Keeps what the simulated engine publishes, batch by batch, for the differential
+    suites to compare with what vLLM really sent."""
+
+    def __init__(self) -> None:
+        self.batches: list[KVEventBatch] = []
+
+    def publish(self, batch: KVEventBatch) -> None:
+        self.batches.append(batch)
+
+
+def sim_engine(
+    profile: ModelProfile, num_blocks: int, budget: int, max_model_len: int, **kv_options: Any
+) -> tuple[EngineCore, CapturePublisher]:
+    """An engine core (not started) on ``num_blocks`` blocks hashed as vLLM's default
+    ``sha256_cbor``, scheduling like vLLM's (128 running, ``budget`` tokens a step,
+    ``max_model_len``) with the timing model out of the way (1e9x), publishing into the
+    returned capture. ``kv_options``: more ``KVCacheManager`` keywords (``offload``,
+    ``allocate_kv``)."""
+    kv = KVCacheManager(
+        profile,
+        num_blocks,
+        hash_algo="sha256_cbor",
+        max_model_len=max_model_len,
+        max_num_batched_tokens=budget,
+        **kv_options,
+    )
+    captured = CapturePublisher()
+    core = EngineCore(
+        kv,
+        timing=TimingModel(time_scale=1e9),
+        scheduler=SchedulerConfig(128, budget, max_model_len),
+        publisher=captured,
+    )
+    return core, captured
+
+
+def tally(
+    batches: list[KVEventBatch], place: Callable[[BlockStored | BlockRemoved], tuple[Any, ...]]
+) -> Counter[tuple[Any, ...]]:
+    """(type, *place, hash) for every stored / removed hash, BlockStored events per place
+    (vLLM emits one even when retention leaves it no hash), and other event types.
+    ``place``: what of an event the comparison keys on (its group, its medium...)."""
+    out: Counter[tuple[Any, ...]] = Counter()
+    for batch in batches:
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                out[("stored_events", *place(ev))] += 1
+                out.update(("stored", *place(ev), h) for h in ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                out.update(("removed", *place(ev), h) for h in ev.block_hashes)
+            else:
+                out[(type(ev).__name__,)] += 1
+    return out
