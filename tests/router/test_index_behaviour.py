@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 from redis.crc import key_slot
 from redis.exceptions import ResponseError
-from routerkit import C0, G0, G1, batch, new_namespace, positions, removed, stored
+from routerkit import C0, C1, G0, G1, batch, new_namespace, positions, removed, stored
 
 from events.structs import AllBlocksCleared
 from router.index import MemoryIndex, Tier, open_index, slot_of
