@@ -21,6 +21,7 @@ from router.index.instrumented import IndexMetrics, InstrumentedIndex
 from router.metrics import RouterMetrics
 from router.prediction.predict import PredictOnRoute
 from router.prediction.pressure import EvictionTracker
+from router.prediction.shared import SharedPredictions
 from router.prediction.speculative import SpeculativeResidency
 
 __all__ = ["build_router", "eviction_tracker", "instrument"]
@@ -57,6 +58,7 @@ def build_router(
     clock: Callable[[], float] | None = None,
     affinity: SessionAffinity | None = None,
     full_only: bool | None = None,
+    shared: Callable[[SpeculativeResidency], SharedPredictions | None] | None = None,
 ) -> Router:
     """The routing core from ``settings``. ``index`` should already be ``instrument``ed
     when ingest writes through it too; ``policy`` overrides ``settings.policy``'s (the
@@ -92,7 +94,13 @@ def build_router(
         index=index,
         policy=policy,
         tokenizer=tokenizer or RoutingTokenizer(settings.tokenizer),
-        prediction=PredictOnRoute(speculative, layouts, prompt_hashes, evictions),
+        prediction=PredictOnRoute(
+            speculative,
+            layouts,
+            prompt_hashes,
+            evictions,
+            shared=shared(speculative) if shared is not None else None,
+        ),
         prompt_hashes=prompt_hashes,
         metrics=metrics,
         block_size=settings.block_size,

@@ -27,6 +27,7 @@ from router.index.redis_index import RedisIndex
 from router.ingest import IngestManager
 from router.metrics import RouterMetrics
 from router.prediction.shared import SharedPredictions
+from router.prediction.speculative import SpeculativeResidency
 
 __all__ = ["RouterState"]
 
@@ -91,6 +92,7 @@ class RouterState:
             metrics=self.metrics,
             tokenizer=RoutingTokenizer(s.tokenizer, self.client, self._any_healthy),
             affinity=self.affinity if self.affinity.config.enabled else None,
+            shared=self._shared_predictions,
         )
         self.policy = self.router.policy
         self.scorer = self.router.scorer
@@ -109,10 +111,9 @@ class RouterState:
             max_retries=s.upstream.max_retries,
         )
         self._layout_task: asyncio.Task[None] | None = None
-        self.shared = self._shared_predictions()
-        self.prediction.shared = self.shared
+        self.shared = self.prediction.shared
 
-    def _shared_predictions(self) -> SharedPredictions | None:
+    def _shared_predictions(self, store: SpeculativeResidency) -> SharedPredictions | None:
         """Replicas on one Redis index share predictions and load through it
         (``router.prediction.shared``); a memory index is one replica: None."""
         inner = getattr(self.index, "inner", self.index)
@@ -141,7 +142,7 @@ class RouterState:
             ttl_s=self.settings.speculative.ttl_s,
             load=load,
             set_peer_load=set_peer_load,
-            on_applied=self.prediction.store.flush,
+            on_applied=store.flush,
             metrics=self.metrics,
         )
 

@@ -72,6 +72,7 @@ class PredictOnRoute:
         layouts: LayoutRegistry,
         prompt_hashes: PromptHashes,
         evictions: EvictionTracker | None = None,
+        shared: SharedPredictions | None = None,
     ) -> None:
         self.store = store
         self.layouts = layouts
@@ -83,7 +84,7 @@ class PredictOnRoute:
         self._inflight: dict[str, dict[int, _Entry]] = {}
         self._version = layouts.version
         # The other replicas' records and this one's, shared (None: one replica).
-        self.shared: SharedPredictions | None = None
+        self.shared = shared
 
     @property
     def ttl_s(self) -> float:

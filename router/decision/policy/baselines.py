@@ -64,9 +64,9 @@ def make_policy(
     caller pairs it with a full-only scorer.
     ``roomy``: which instances have KV room (``EvictionTracker.roomy``), cost policy only."""
     if name in COST_POLICIES:
-        policy = CostPolicy(settings, temperature=temperature, clock=clock, rng=rng, roomy=roomy)
-        policy.name = name
-        return policy
+        return CostPolicy(
+            settings, temperature=temperature, clock=clock, rng=rng, roomy=roomy, name=name
+        )
     if name == "round_robin":
         return RoundRobinPolicy()
     if name == "least_loaded":

@@ -70,10 +70,13 @@ class CostPolicy(Policy):
         roomy: Callable[[str], bool] | None = None,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        name: str = "cost",
     ) -> None:
         """``settings``: the rates and the ranking's knobs (``router.config.CostSettings``,
         where their defaults and bounds are written); ``roomy``: instance -> it has KV room
-        (``prediction.pressure``), None: unknown."""
+        (``prediction.pressure``), None: unknown; ``name``: what reports call it
+        (``prefix_full_only`` is this policy over a full-attention-only scorer)."""
+        self.name = name
         s = self.defaults = settings or CostSettings()
         self.temperature = temperature
         # Copied out of the settings: the ranking reads them per candidate.
