@@ -48,6 +48,7 @@ class Recorded:
     def of(cls, id: int, ts: float, kind: str, decision: RouteDecision) -> Recorded:
         kept = dataclasses.replace(
             decision,
+            # Packed u64 arrays in place of the lists (read back as lists by ``explainable``).
             hashes={k: array("Q", v) for k, v in decision.hashes.items()},  # type: ignore[misc]
             hash_size=dict(decision.hash_size),
             hash_input=None,

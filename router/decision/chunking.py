@@ -88,4 +88,5 @@ class ChunkLearner:
 
 
 def _wire(h: object) -> int:
+    # Hashes are ints or digests; the exact-type check is not narrowed by mypy.
     return h if type(h) is int else to_wire(h)  # type: ignore[arg-type]

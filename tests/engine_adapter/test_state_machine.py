@@ -161,9 +161,9 @@ class EngineMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.running)
     @rule()
     def reset_prefix_cache(self) -> None:
-        # reset_external: consumers forget every tier on AllBlocksCleared, so the CPU tier
-        # must go too for events to keep describing the cache.
-        assert self.kv.reset_prefix_cache(reset_external=True)
+        # vLLM's default reset: AllBlocksCleared empties the GPU tier, the CPU tier stays
+        # (and EventState keeps it, as the router's index does).
+        assert self.kv.reset_prefix_cache()
         self.end_step()
 
     # ---- invariants -----------------------------------------------------------------------
