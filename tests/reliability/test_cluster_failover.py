@@ -206,7 +206,14 @@ async def test_router_on_the_cluster_answers_every_request_through_a_failover(cl
                 await wait_for(
                     lambda: holds(client, router.url, probe, holder), 30, what="probe rebuilt"
                 )
-                await asyncio.sleep(0.5)
+
+                async def resynced() -> bool:
+                    text = await metrics_text(client, router.url)
+                    return scrape(text, "kvroute_ingest_resyncs_total", instance=holder) >= 1
+
+                # The holder's next write after the master changed reports its state lost:
+                # it comes with the load's next batch from that engine.
+                await wait_for(resynced, 60, what="the holder's resync from replay")
             finally:
                 stop.set()
                 await asyncio.gather(*workers, return_exceptions=True)

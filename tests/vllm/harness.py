@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -324,6 +325,16 @@ class VllmServer:
         resp = httpx.get(f"{self.url}/metrics", timeout=30.0)
         resp.raise_for_status()
         return parse_metrics(resp.text)
+
+    def block_size(self) -> int:
+        """The block size vLLM settled on (``vllm:cache_config_info``): it picks its own,
+        and for a Mamba hybrid what it picks depends on the model's state size."""
+        for key in self.metrics():
+            if key.startswith("vllm:cache_config_info{"):
+                m = re.search(r'(?:effective_attention_block_size|[{,]block_size)="(\d+)"', key)
+                if m:
+                    return int(m.group(1))
+        raise AssertionError("vllm:cache_config_info names no block size")
 
     def prompt_tokens_by_source(self) -> dict[str, int]:
         """``vllm:prompt_tokens_by_source_total`` per ``source`` (local_compute,
