@@ -70,7 +70,7 @@ def test_each_rank_is_a_target_and_requests_reach_the_rank_that_holds_their_pref
                 timeout=30,
             )
             assert r.status_code == 200
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + 60  # events of a loaded machine may lag
             while True:
                 cands = {
                     c["instance"]: c for c in debug_route(router, {"prompt": prompt})["candidates"]
