@@ -75,10 +75,11 @@ def stored(
     block_size: int = 16,
     kind: str | None = None,
     window: int | None = None,
+    parent: int | None = None,
 ) -> BlockStored:
     return BlockStored(
         block_hashes=list(hashes),
-        parent_block_hash=None,
+        parent_block_hash=parent,
         token_ids=[] if block_size == 0 else [1] * (block_size * len(hashes)),
         block_size=block_size,
         lora_id=None,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from routerkit import batch, removed
+from routerkit import batch, removed, stored
 
 from events.structs import BlockStored
 from router.decision.chunking import ChunkLearner
@@ -35,46 +35,16 @@ def gpu_store(
     kind: str = "full_attention",
     window: int | None = None,
 ) -> BlockStored:
-    return BlockStored(
-        block_hashes=list(hashes),
-        parent_block_hash=parent,
-        token_ids=[1] * (BS * len(hashes)),
-        block_size=BS,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-        group_idx=group,
-        kv_cache_spec_kind=kind,
-        kv_cache_spec_sliding_window=window,
-    )
+    return stored(hashes, group, "GPU", block_size=BS, kind=kind, window=window, parent=parent)
 
 
 def placeholder(h: int, group: int = 0) -> BlockStored:
     """vLLM's default CPU event: the chunk's last hash, no parent, no tokens, size 0."""
-    return BlockStored(
-        block_hashes=[h],
-        parent_block_hash=None,
-        token_ids=[],
-        block_size=0,
-        lora_id=None,
-        medium="CPU",
-        lora_name=None,
-        group_idx=group,
-    )
+    return stored([h], group, "CPU", block_size=0)
 
 
 def self_describing(hashes: list[int], parent: int | None, group: int = 0) -> BlockStored:
-    return BlockStored(
-        block_hashes=list(hashes),
-        parent_block_hash=parent,
-        token_ids=[1] * (BS * len(hashes)),
-        block_size=BS,
-        lora_id=None,
-        medium="CPU",
-        lora_name=None,
-        group_idx=group,
-        kv_cache_spec_kind="full_attention",
-    )
+    return stored(hashes, group, "CPU", block_size=BS, kind="full_attention", parent=parent)
 
 
 # ---- the instance's --kv-transfer-config ---------------------------------------------------
