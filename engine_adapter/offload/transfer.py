@@ -44,6 +44,17 @@ class GroupCopy:
     cpu_rows: Sequence[int]
 
 
+def _run_starts(*rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Start offsets and lengths of the runs where every row array advances by one."""
+    n = len(rows[0])
+    step = np.zeros(max(n - 1, 0), dtype=bool)
+    for r in rows:
+        step |= np.diff(r) != 1
+    breaks = np.flatnonzero(step) + 1
+    starts = np.concatenate(([0], breaks))
+    return starts, np.diff(np.concatenate((starts, [n])))
+
+
 def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
     """``(src_start, dst_start, length)`` runs where both row lists advance by one."""
     runs: list[tuple[int, int, int]] = []
@@ -58,6 +69,18 @@ def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int
             s0, d0, n = s, d, 1
     runs.append((s0, d0, n))
     return runs
+
+
+def _run_starts(*rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``coalesce`` in NumPy: start offsets and lengths of the runs where every row array
+    advances by one. The CUDA path needs only the count to choose how to copy, and no
+    per-run tuple when the pages are scattered."""
+    n = len(rows[0])
+    step = np.zeros(max(n - 1, 0), dtype=bool)
+    for r in rows:
+        step |= np.diff(r) != 1
+    starts = np.concatenate(([0], np.flatnonzero(step) + 1))
+    return starts, np.diff(np.concatenate((starts, [n])))
 
 
 def _split(runs: list[_Run], parts: int) -> list[list[_Run]]:
@@ -153,26 +176,32 @@ class TransferEngine:
 
     def _copy_group_cuda(self, direction: Direction, gc: GroupCopy) -> None:
         dev, host = self.gpu_kv[gc.group_idx], self.cpu_kv[gc.group_idx]
-        pairs = coalesce(gc.gpu_rows, gc.cpu_rows)
-        if len(pairs) * 4 <= len(gc.gpu_rows) or len(pairs) == 1:
-            for s, d, n in pairs:  # already mostly contiguous: copy runs directly
+        rows = np.asarray(gc.gpu_rows, dtype=np.int64)
+        cpu_rows = np.asarray(gc.cpu_rows, dtype=np.int64)
+        if not len(rows):
+            return
+        starts, lengths = _run_starts(rows, cpu_rows)
+        if len(starts) * 4 <= len(rows) or len(starts) == 1:
+            # Already mostly contiguous: copy the runs directly.
+            pairs = zip(
+                rows[starts].tolist(), cpu_rows[starts].tolist(), lengths.tolist(), strict=True
+            )
+            for s, d, n in pairs:
                 if direction == "store":
                     host[d : d + n].copy_(dev[s : s + n], non_blocking=True)
                 else:
                     dev[s : s + n].copy_(host[d : d + n], non_blocking=True)
             return
         # Scattered device pages: one gather/scatter kernel + one PCIe copy per host run.
-        idx = torch.tensor(gc.gpu_rows, dtype=torch.long).pin_memory()
-        idx = idx.to(self.device, non_blocking=True)
-        host_runs = coalesce(range(len(gc.cpu_rows)), gc.cpu_rows)
+        idx = torch.from_numpy(rows).pin_memory().to(self.device, non_blocking=True)
+        starts, lengths = _run_starts(cpu_rows)
+        host_runs = zip(starts.tolist(), cpu_rows[starts].tolist(), lengths.tolist(), strict=True)
         if direction == "store":
             staging = torch.index_select(dev, 0, idx)
             for i, d, n in host_runs:
                 host[d : d + n].copy_(staging[i : i + n], non_blocking=True)
         else:
-            staging = torch.empty(
-                (len(gc.cpu_rows), dev.shape[1]), dtype=dev.dtype, device=dev.device
-            )
+            staging = torch.empty((len(cpu_rows), dev.shape[1]), dtype=dev.dtype, device=dev.device)
             for i, d, n in host_runs:
                 staging[i : i + n].copy_(host[d : d + n], non_blocking=True)
             dev.index_copy_(0, idx, staging)

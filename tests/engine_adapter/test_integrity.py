@@ -33,6 +33,18 @@ def test_coalesce_merges_runs_on_both_sides() -> None:
     assert coalesce([], []) == []
 
 
+def test_run_starts_finds_the_runs_coalesce_finds() -> None:
+    """The CUDA path counts runs in NumPy (``_run_starts``); it must agree with ``coalesce``."""
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 40)
+        src = sorted(rng.sample(range(80), n)) if rng.random() < 0.5 else rng.sample(range(80), n)
+        dst = list(range(n)) if rng.random() < 0.5 else rng.sample(range(80), n)
+        starts, lengths = transfer_mod._run_starts(np.asarray(src), np.asarray(dst))
+        got = [(src[i], dst[i], k) for i, k in zip(starts.tolist(), lengths.tolist(), strict=True)]
+        assert got == coalesce(src, dst)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_transfer_roundtrip_preserves_random_pages_per_group(device: str) -> None:
     gen = torch.Generator().manual_seed(0)
