@@ -41,7 +41,9 @@ fi
 PIP=("$VENV/bin/python" -m pip install -q)
 # torch first: pip then takes the CPU wheel on disk instead of pulling CUDA wheels for vllm.
 "${PIP[@]}" "$TORCH_SPEC" >&2
-"${PIP[@]}" "$VLLM_SPEC" transformers tokenizers >&2
+# transformers and tokenizers pinned: a newer transformers once changed the block size vLLM
+# picks for the tiny Qwen3-Next model (256 -> 128); the suite must not drift under CI.
+"${PIP[@]}" "$VLLM_SPEC" "transformers==5.19.0" "tokenizers==0.23.3" >&2
 # pip brings these from PyPI; they fail to import beside the CPU torch and break `import vllm`.
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >&2 2>/dev/null || true
 if ! "$VENV/bin/python" -c 'import vllm' >&2; then
