@@ -125,7 +125,7 @@ def test_router_flags_reach_the_cost_policy(monkeypatch):
     assert result.exit_code == 0, result.output
     (settings,) = seen
     state = RouterState(settings)
-    assert state.policy.stick_margin == 0.75
+    assert state.policy.defaults.stick_margin == 0.75
     assert state.policy.defaults.prefill_s_per_token == 0.001
     assert state.prediction.store.ttl_s == 0.5 and state.prediction.evictions is None
     refused = CliRunner().invoke(app, ["router", "--cost-fit-decay", "0"])
