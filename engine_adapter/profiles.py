@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_adapter.sim.settings import PROFILE_NAMES  # the names, with the engine's settings
+from engine_adapter.sim.settings import PROFILE_NAMES, EngineSettings
 from events.groups import (
     KVCacheLayout,
     KVCacheSpec,
@@ -38,8 +38,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16
-DEFAULT_SLIDING_WINDOW = 1024
-DEFAULT_PAGE_BYTES = 4096
+# The profile names and these defaults are the engine's settings' (written there once).
+DEFAULT_SLIDING_WINDOW: int = EngineSettings.model_fields["sliding_window"].default
+DEFAULT_PAGE_BYTES: int = EngineSettings.model_fields["page_bytes"].default
 
 
 @dataclass(frozen=True, slots=True)

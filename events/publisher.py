@@ -235,16 +235,8 @@ class ZmqEventPublisher(EventPublisher):
         os.close(self._wake_r)
 
     def get_publisher_config(self) -> KVEventsConfig:
-        return KVEventsConfig(
-            enable_kv_cache_events=True,
-            publisher="zmq",
-            endpoint=self.endpoint,
-            replay_endpoint=self.replay_endpoint,
-            buffer_steps=self.buffer_steps,
-            hwm=self.hwm,
-            max_queue_size=self.max_queue_size,
-            topic=self.topic,
-        )
+        own = {name: getattr(self, name) for name in PUBLISHER_FIELDS}
+        return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", **own)
 
     @property
     def closed(self) -> bool:
@@ -363,6 +355,9 @@ def _drain_pipe(fd: int) -> None:
 # -- factory -----------------------------------------------------------------------------
 
 PublisherCtor = Callable[..., EventPublisher]
+# The fields of ``KVEventsConfig`` a publisher is built from (its keyword arguments, after
+# ``data_parallel_rank``) and reports back in ``get_publisher_config``.
+PUBLISHER_FIELDS = ("endpoint", "replay_endpoint", "buffer_steps", "hwm", "max_queue_size", "topic")
 _REGISTRY: dict[str, PublisherCtor] = {"null": NullEventPublisher, "zmq": ZmqEventPublisher}
 
 
@@ -387,14 +382,7 @@ def create_publisher(
     ctor = _REGISTRY.get(name)
     if ctor is None:
         raise ValueError(f"unknown event publisher {name!r}; known: {sorted(_REGISTRY)}")
-    kwargs: dict[str, Any] = {
-        "endpoint": config.endpoint,
-        "replay_endpoint": config.replay_endpoint,
-        "buffer_steps": config.buffer_steps,
-        "hwm": config.hwm,
-        "max_queue_size": config.max_queue_size,
-        "topic": config.topic,
-    }
+    kwargs: dict[str, Any] = {name: getattr(config, name) for name in PUBLISHER_FIELDS}
     if ctor is ZmqEventPublisher:
         return ZmqEventPublisher(data_parallel_rank, **kwargs, form=form, ctx=ctx)
     return ctor(data_parallel_rank=data_parallel_rank, **kwargs)

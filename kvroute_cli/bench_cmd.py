@@ -1,4 +1,7 @@
-"""``kvroute bench ...``: each benchmark lives in ``bench/`` and returns its report dict."""
+"""``kvroute bench ...``: each benchmark lives in ``bench/`` and returns its report dict.
+
+A command's flags are named like its benchmark's ``run`` parameters, which take them by
+name (``kvroute_cli.options.fields_from``)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from kvroute_cli.bench_chaos_cmd import chaos
 from kvroute_cli.bench_replay_cmd import overhead as bench_overhead
 from kvroute_cli.bench_replay_cmd import replay as bench_replay
 from kvroute_cli.extras import require_extras
+from kvroute_cli.options import fields_from
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -64,18 +68,7 @@ def bench_offload(
     require_extras("kvroute bench offload", "engine")
     from bench.offload import run
 
-    run(
-        out,
-        profile=profile,
-        page_bytes=page_bytes,
-        num_blocks=num_blocks,
-        blocks_per_chunk=blocks_per_chunk,
-        repeats=repeats,
-        pool_blocks=pool_blocks,
-        pool_requests=pool_requests,
-        prompt_tokens=prompt_tokens,
-        device=device,
-    )
+    run(**fields_from(run, locals()))
 
 
 @app.command("index")
@@ -95,17 +88,7 @@ def bench_index(
     """Index ingest rate, score latency (512 blocks x 32 instances) and bytes per entry."""
     from bench.index import run
 
-    run(
-        out,
-        ingest_events=ingest_events,
-        redis_events=redis_events,
-        memory_entries=memory_entries,
-        repeats=repeats,
-        redis=redis,
-        seed=seed,
-        runs=runs,
-        cluster=cluster,
-    )
+    run(**fields_from(run, locals()))
 
 
 @app.command("fleet")
@@ -132,19 +115,7 @@ def bench_fleet(
             proxy_requests=6, idle_s=1.0, redis=redis, redis_instances=2, churn_s=churn_s,
             seed=seed, system_blocks=16, step_blocks=64, noise_blocks=256)  # fmt: skip
         return
-    run(
-        out,
-        instances=tuple(instances),
-        entries=entries,
-        prompt_tokens=prompt_tokens,
-        decisions=decisions,
-        proxy_requests=proxy_requests,
-        idle_s=idle_s,
-        redis=redis,
-        redis_instances=redis_instances,
-        churn_s=churn_s,
-        seed=seed,
-    )
+    run(**fields_from(run, locals(), instances=tuple(instances)))
 
 
 app.command("chaos")(chaos)

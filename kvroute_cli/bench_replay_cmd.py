@@ -163,7 +163,8 @@ def overhead(
     routers: str = typer.Option(
         "ours:cost,vllm-router,sglang-router",
         help="Comma-separated routers to measure; python-floor adds bench.replay.floor "
-        "(Python's cheapest proxy, deciding nothing) as a yardstick.",
+        "(Python's cheapest proxy, deciding nothing) as a yardstick; ours:POLICY@CHECKOUT "
+        "runs another checkout's router (CHECKOUT/.venv/bin/kvroute): before vs after.",
     ),
     rounds: int = typer.Option(20, min=1, help="Interleaved rounds."),
     per_batch: int = typer.Option(

@@ -1,21 +1,28 @@
 """``kvroute engine``: a simulated vLLM-like OpenAI server that publishes KV events.
 
 Its flags are generated from ``engine_adapter.sim.settings.EngineSettings``
-(``kvroute_cli.options``); only ``--log-level`` is written here.
+(``kvroute_cli.options``); only ``--log-level`` is written here. The same settings come
+from the environment (``KVROUTE_ENGINE_<FIELD>``) and a ``--config`` YAML file (field
+names), as the router's do: flags > environment > file.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
-from pydantic import BaseModel
 
 from kvroute_cli.extras import require_extras
-from kvroute_cli.options import SettingsCommand
+from kvroute_cli.options import SettingsCommand, config_parameter, load_layered
 
-__all__ = ["engine"]
+if TYPE_CHECKING:  # imported with the command's settings model, when it is built
+    from pydantic import BaseModel
+
+__all__ = ["ENV_PREFIX", "engine"]
+
+ENV_PREFIX = "KVROUTE_ENGINE_"
 
 
 def _model() -> type[BaseModel]:
@@ -24,7 +31,7 @@ def _model() -> type[BaseModel]:
     return EngineSettings
 
 
-def _run(given: dict[str, Any], log_level: str) -> None:
+def _run(given: dict[str, Any], log_level: str, config: Path | None) -> None:
     require_extras("kvroute engine", "engine")
     from pydantic import ValidationError
 
@@ -32,7 +39,7 @@ def _run(given: dict[str, Any], log_level: str) -> None:
     from engine_adapter.sim.settings import EngineSettings
 
     try:
-        settings = EngineSettings(**given)
+        settings = load_layered(EngineSettings, given, config, env_prefix=ENV_PREFIX)
     except (ValidationError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from exc
     try:
@@ -46,13 +53,16 @@ engine = SettingsCommand(
     _run,
     name="engine",
     doc="Serve /v1/completions, /v1/chat/completions, /tokenize, /metrics over a simulated "
-    "hybrid KV cache, publishing vLLM KV events over ZMQ.",
+    "hybrid KV cache, publishing vLLM KV events over ZMQ. Settings: flags > "
+    "KVROUTE_ENGINE_* environment > --config YAML, one name each (--gpu-blocks = "
+    "KVROUTE_ENGINE_GPU_BLOCKS = gpu_blocks in YAML).",
     extra=[
         inspect.Parameter(
             "log_level",
             inspect.Parameter.KEYWORD_ONLY,
             default=typer.Option("info", help="uvicorn log level."),
             annotation=str,
-        )
+        ),
+        config_parameter(),
     ],
 )

@@ -1,7 +1,8 @@
 """``kvroute`` entry point. Sub-commands import their packages lazily so that, e.g.,
 ``kvroute events tail`` never loads torch; the commands whose flags are generated from a
-settings model (``router``, ``engine``, ``up``) are built only when named (or for
-``kvroute --help``), so the others do not pay for their models."""
+settings model (``router``, ``engine``, ``up``) are built only when run (or asked for their
+own help): ``kvroute --help`` lists them from their one-line docs without importing their
+settings models."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import logging
 from typing import Any
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from kvroute_cli.bench_cmd import app as bench_app
 from kvroute_cli.engine_cmd import engine
@@ -21,7 +22,11 @@ _GENERATED = {"engine": engine, "router": router, "up": up}
 
 
 class _Group(TyperGroup):
-    """``kvroute``'s commands, the generated ones built on first use."""
+    """``kvroute``'s commands, the generated ones built on first use.
+
+    ``get_command`` (what the group's help lists) gives a generated command as a stub with
+    its doc and no flags; ``resolve_command`` (what running it, or its own ``--help``,
+    goes through) builds it from its settings model."""
 
     def list_commands(self, ctx: Any) -> list[str]:
         return [*super().list_commands(ctx), *_GENERATED]
@@ -30,9 +35,16 @@ class _Group(TyperGroup):
         command = _GENERATED.get(cmd_name)
         if command is None:
             return super().get_command(ctx, cmd_name)
-        single = typer.Typer()
-        single.command(cmd_name)(command)
-        return typer.main.get_command(single)
+        return TyperCommand(cmd_name, help=command.__doc__)
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        name, command, rest = super().resolve_command(ctx, args)
+        generated = _GENERATED.get(name or "")
+        if generated is not None:
+            single = typer.Typer()
+            single.command(name)(generated)
+            command = typer.main.get_command(single)
+        return name, command, rest
 
 
 app = typer.Typer(

@@ -11,7 +11,8 @@ without ``-s`` (``--health-interval`` = ``--health-interval-s``). A field may na
 itself (``json_schema_extra={"flag": "instance"}``) where vLLM or history spells it so.
 
 Every flag defaults to None, so a command knows which flags were given: those override
-the environment and the file underneath them; the others leave them alone.
+the environment and the file underneath them; the others leave them alone
+(:func:`load_layered`: YAML < environment < flags, the same layers for every command).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import typer
 
@@ -30,11 +32,16 @@ if TYPE_CHECKING:  # pydantic is imported with the settings models, when a comma
     from pydantic import BaseModel
     from pydantic.fields import FieldInfo
 
+M = TypeVar("M", bound="BaseModel")
+
 __all__ = [
     "Flag",
     "SettingsCommand",
+    "config_parameter",
+    "deep_merge",
     "field_names",
     "fields_from",
+    "load_layered",
     "nested_values",
     "settings_flags",
 ]
@@ -281,3 +288,70 @@ def fields_from(
         raise TypeError(f"{getattr(target, '__name__', target)} takes no {sorted(unknown)}")
     out.update(given)
     return out
+
+
+def config_parameter() -> inspect.Parameter:
+    """The ``--config`` option of a command whose flags are generated (its YAML file)."""
+    return inspect.Parameter(
+        "config",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=typer.Option(None, help="YAML file with the same settings.", exists=True),
+        annotation=Path,
+    )
+
+
+def deep_merge(*layers: Mapping[str, Any]) -> dict[str, Any]:
+    """Later layers win; mappings (sections) are merged key by key."""
+    out: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+                out[key] = deep_merge(out[key], value)
+            else:
+                out[key] = value
+    return out
+
+
+def _given(flags: Mapping[str, Any]) -> dict[str, Any]:
+    """``flags`` without the None values (flags not given), sections included."""
+    out: dict[str, Any] = {}
+    for key, value in flags.items():
+        if isinstance(value, Mapping):
+            value = _given(value)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def load_layered(
+    model: type[M],
+    flags: Mapping[str, Any],
+    config: Path | None = None,
+    *,
+    env_prefix: str,
+    nest: Callable[[Mapping[str, Any]], dict[str, Any]] = dict,
+) -> M:
+    """``model`` from YAML ``config`` (lowest) < environment ``<env_prefix><FIELD>`` <
+    ``flags`` (highest, only those given: None values are dropped). Every layer uses the
+    field names (a section's fields: ``<SECTION>_<NAME>``, or nested); ``nest`` moves a
+    layer's flat section names into their sections before the layers are merged.
+    Environment values are read as pydantic-settings reads them (JSON for lists, mappings
+    and sections)."""
+    import yaml
+    from pydantic_settings import EnvSettingsSource
+
+    from_file: dict[str, Any] = {}
+    if config is not None:
+        raw = yaml.safe_load(Path(config).read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{config}: expected a mapping of settings")
+        from_file = nest(raw)
+    has_sections = any(_section(info.annotation) for info in model.model_fields.values())
+    env = EnvSettingsSource(
+        model,  # type: ignore[arg-type]  # reads only the fields; a BaseModel serves
+        case_sensitive=False,
+        env_prefix=env_prefix,
+        env_nested_delimiter="_" if has_sections else None,
+        env_nested_max_split=1 if has_sections else None,
+    )()
+    return model(**deep_merge(from_file, nest(env), nest(_given(flags))))

@@ -6,27 +6,33 @@ only ``--config`` is written here.
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
-from pydantic import BaseModel
 
-from kvroute_cli.options import SettingsCommand
+from kvroute_cli.options import SettingsCommand, config_parameter, load_layered
 
-__all__ = ["router"]
+if TYPE_CHECKING:  # imported with the command's settings model, when it is built
+    from pydantic import BaseModel
+
+__all__ = ["ENV_PREFIX", "router"]
+
+ENV_PREFIX = "KVROUTE_"  # RouterSettings' own (its model_config)
 
 
 def _run(given: dict[str, Any], config: Path | None) -> None:
     from pydantic import ValidationError
 
-    from router.config import load_settings
+    from router.config import RouterSettings, nest
     from router.decision.layout import default_layout
     from router.http.server import serve
 
     try:
-        settings = load_settings(given, config)
+        settings = load_layered(
+            RouterSettings, given, config, env_prefix=ENV_PREFIX,
+            nest=lambda data: nest(RouterSettings, data),
+        )  # fmt: skip
         default_layout(settings.default_layout, settings.block_size)
         from router.http.workers import check_workers
 
@@ -50,12 +56,5 @@ router = SettingsCommand(
     "lowest predicted time to first token. Settings: flags > KVROUTE_* environment > "
     "--config YAML, one name each (--admission-max-waiting = KVROUTE_ADMISSION_MAX_WAITING "
     "= admission_max_waiting or admission: {max_waiting: ...} in YAML).",
-    extra=[
-        inspect.Parameter(
-            "config",
-            inspect.Parameter.KEYWORD_ONLY,
-            default=typer.Option(None, help="YAML file with the same settings.", exists=True),
-            annotation=Path,
-        )
-    ],
+    extra=[config_parameter()],
 )

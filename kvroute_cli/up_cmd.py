@@ -1,7 +1,9 @@
 """``kvroute up``: engines + router on loopback, a multi-turn demo workload, a results table.
 
 The logic lives in :mod:`stack.demo`; this module only draws (Rich progress bar and table)
-and turns SIGTERM into the same clean shutdown as Ctrl-C.
+and turns SIGTERM into the same clean shutdown as Ctrl-C. Its flags are generated from
+``stack.demo.config.DemoConfig``; the same settings come from the environment
+(``KVROUTE_UP_<FIELD>``) and a ``--config`` YAML file, as the router's do.
 """
 
 from __future__ import annotations
@@ -13,13 +15,19 @@ import signal
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
-from pydantic import BaseModel
 
 from kvroute_cli.extras import require_extras
-from kvroute_cli.options import SettingsCommand
+from kvroute_cli.options import SettingsCommand, config_parameter, load_layered
+
+if TYPE_CHECKING:  # imported with the command's settings model, when it is built
+    from pydantic import BaseModel
+
+__all__ = ["ENV_PREFIX", "up"]
+
+ENV_PREFIX = "KVROUTE_UP_"
 
 
 def _fmt_ms(v: float | None) -> str:
@@ -89,7 +97,9 @@ def _model() -> type[BaseModel]:
     return DemoConfig
 
 
-def _up(given: dict[str, Any], keep_logs: bool, out: Path | None, keep: bool) -> None:
+def _up(
+    given: dict[str, Any], keep_logs: bool, out: Path | None, keep: bool, config: Path | None
+) -> None:
     """Start engines and the router on 127.0.0.1, run a short multi-turn chat workload per
     policy (fresh engines each), print hit ratio, TTFT and prediction accuracy, stop all."""
     from pydantic import ValidationError
@@ -97,7 +107,7 @@ def _up(given: dict[str, Any], keep_logs: bool, out: Path | None, keep: bool) ->
     from stack.demo import DemoConfig
 
     try:  # DemoConfig checks the settings (e.g. an unknown profile)
-        cfg = DemoConfig(**given)
+        cfg = load_layered(DemoConfig, given, config, env_prefix=ENV_PREFIX)
     except (ValidationError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
     if cfg.engine == "sim":
@@ -197,7 +207,9 @@ up = SettingsCommand(
     name="up",
     doc="Start engines and the router on 127.0.0.1, run a short multi-turn chat workload per "
     "policy (fresh engines each), print hit ratio, TTFT and prediction accuracy, stop all. "
-    "Each round prints its router's live dashboard URL; --keep leaves the last one up.",
+    "Each round prints its router's live dashboard URL; --keep leaves the last one up. "
+    "Settings: flags > KVROUTE_UP_* environment > --config YAML, one name each "
+    "(--conversations = KVROUTE_UP_CONVERSATIONS = conversations in YAML).",
     extra=[
         inspect.Parameter(
             "keep_logs",
@@ -220,5 +232,6 @@ up = SettingsCommand(
             ),
             annotation=bool,
         ),
+        config_parameter(),
     ],
 )

@@ -1,4 +1,5 @@
-"""Router settings, each default and bound written once: flags > environment > YAML > defaults.
+"""Router settings, each default and bound written once: flags > environment > YAML > defaults
+(the layers: ``kvroute_cli.options.load_layered``).
 
 ``RouterSettings`` holds the router process's own settings at the top level and one
 section per component (``cost``, ``health``, ``admission``, ``session``, ``upstream``,
@@ -15,10 +16,8 @@ Names follow vLLM where the concept is vLLM's (``block_size``, ``hash_algo`` =
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Literal, get_args
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -34,7 +33,7 @@ __all__ = [
     "SessionSettings",
     "SpeculativeSettings",
     "UpstreamSettings",
-    "load_settings",
+    "nest",
 ]
 
 
@@ -304,7 +303,8 @@ class RouterSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # init kwargs carry the flags (and the YAML underneath them, see load_settings).
+        # init kwargs carry the flags and the YAML underneath them
+        # (kvroute_cli.options.load_layered).
         return (init_settings, env_settings)
 
 
@@ -340,40 +340,3 @@ def nest(model: type[BaseModel], data: Mapping[str, Any]) -> dict[str, Any]:
 
 def _as_dict(value: Any) -> Any:
     return value.model_dump(exclude_unset=True) if isinstance(value, BaseModel) else value
-
-
-def deep_merge(*layers: Mapping[str, Any]) -> dict[str, Any]:
-    """Later layers win; mappings (sections) are merged key by key."""
-    out: dict[str, Any] = {}
-    for layer in layers:
-        for key, value in layer.items():
-            if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-                out[key] = deep_merge(out[key], value)
-            else:
-                out[key] = value
-    return out
-
-
-def load_settings(flags: Mapping[str, Any], config: Path | None = None) -> RouterSettings:
-    """Merge YAML (lowest) < environment (``KVROUTE_*``) < flags (highest, only those given:
-    None values are dropped). Flat and nested names are accepted in each."""
-    from_file: dict[str, Any] = {}
-    if config is not None:
-        raw = yaml.safe_load(Path(config).read_text()) or {}
-        if not isinstance(raw, dict):
-            raise ValueError(f"{config}: expected a mapping of settings")
-        from_file = nest(RouterSettings, raw)
-    env = RouterSettings().model_dump(exclude_unset=True)  # what the environment set
-    given = nest(RouterSettings, _given(flags))
-    return RouterSettings(**deep_merge(from_file, env, given))
-
-
-def _given(flags: Mapping[str, Any]) -> dict[str, Any]:
-    """``flags`` without the None values (flags not given), sections included."""
-    out: dict[str, Any] = {}
-    for key, value in flags.items():
-        if isinstance(value, Mapping):
-            value = _given(value)
-        if value is not None:
-            out[key] = value
-    return out

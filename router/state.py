@@ -69,12 +69,9 @@ class RouterState:
             prober=self.prober,
             **s.health.model_dump(),
             read_metrics=s.engine_metrics,
-            on_change=self._health_changed,
-            on_block_size=self.layouts.hint_block_size,
-            on_probed=self.admission.notify,  # thresholds re-checked
-            on_up=self._probed_up,  # served models re-read (sources, until read once)
+            listener=self,  # router.fleet.instances.HealthListener
         )
-        # Served models read through the prober too (on_up runs only once started).
+        # Served models read through the prober too (probed_up runs only once started).
         self.models = ModelRegistry(self.client, s.health.timeout_s, fetch=self.registry.fetch)
         # Instances named by URL alone: their event sources read from vLLM.
         self.discovery = Discovery(
@@ -146,15 +143,17 @@ class RouterState:
             metrics=self.metrics,
         )
 
-    async def _probed_up(self, inst: Instance) -> None:
-        """After each good probe: an instance named by URL alone whose sources could not
-        be read yet is read now; then its served models."""
+    # ---- router.fleet.instances.HealthListener -----------------------------------------
+
+    async def probed_up(self, inst: Instance) -> None:
+        """After a good probe: an instance named by URL alone whose sources could not be
+        read yet is read now; then its served models."""
         if inst.http_url in self.discovery.pending:
             await self.discovery.refresh(inst.http_url)
         if self.registry.get(inst.url) is inst:
             await self.models.refresh(inst)
 
-    async def _health_changed(self, inst: Instance, up: bool) -> None:
+    async def health_changed(self, inst: Instance, up: bool) -> None:
         """A down instance's cache is unknown -- it may come back restarted, empty: drop
         its residency now and rebuild it from its events (replay, then the live stream).
         One named by URL alone is read again when it is back: a restarted vLLM may
@@ -166,6 +165,12 @@ class RouterState:
         self.prediction.forget(inst.url)
         if inst.spec.events and inst.url in self.ingest.instances():
             self.ingest.resync(inst.url)
+
+    def block_size_seen(self, url: str, block_size: int) -> None:
+        self.layouts.hint_block_size(url, block_size)
+
+    def probe_round_done(self) -> None:
+        self.admission.notify()  # thresholds re-checked
 
     def _any_healthy(self) -> str | None:
         healthy = self.registry.healthy()

@@ -60,8 +60,10 @@ def _socket_dir() -> Path:
 def ipc_endpoint(name: str) -> str:
     """A ZMQ endpoint a vLLM-style PUB binds (vLLM binds ``ipc://``, connects to a loopback
     ``tcp://`` address) yet no other machine can reach: engines started by tests, demos and
-    benchmarks publish events here instead of on ``tcp://*``. Same name, same path, so an
-    engine restarted with it rebinds where its subscribers reconnect."""
+    benchmarks publish events here instead of on ``tcp://*``. Same name, same path for the
+    life of the process (one socket directory, made on first use, removed at exit), so an
+    engine restarted with it rebinds where its subscribers reconnect
+    (``tests/stack/test_procs.py``)."""
     return f"ipc://{_socket_dir() / name}"
 
 

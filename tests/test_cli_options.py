@@ -4,6 +4,8 @@ every flag must arrive, renamed ones included, and a wrong name must fail loudly
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -68,3 +70,23 @@ def test_router_flags_reach_router_settings_and_bad_ones_are_refused(monkeypatch
     )
     bad = CliRunner().invoke(app, ["router", "--admission-max-kv-usage", "2"])
     assert bad.exit_code == 2 and "admission-max-kv-usage" in bad.output
+
+
+def test_top_level_help_lists_the_generated_commands_without_their_settings_models():
+    """``kvroute --help`` shows ``router``/``engine``/``up`` from their docs; their settings
+    models (pydantic, router.config, engine settings, the demo's) load only when one runs."""
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from kvroute_cli.main import app\n"
+        "r = CliRunner().invoke(app, ['--help'], env={'COLUMNS': '200'})\n"
+        "assert r.exit_code == 0, r.output\n"
+        "assert all(f' {c} ' in r.output for c in ('router', 'engine', 'up')), r.output\n"
+        "heavy = ('pydantic', 'router.config', 'engine_adapter.sim.settings', 'stack')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy or m in heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+    ok = CliRunner().invoke(app, ["engine", "--help"], env={"COLUMNS": "200"})
+    assert ok.exit_code == 0 and "--gpu-blocks" in ok.output  # built when asked for

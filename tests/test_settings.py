@@ -9,8 +9,8 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from kvroute_cli.main import app
-from kvroute_cli.options import settings_flags
-from router.config import CostSettings, RouterSettings, Section, load_settings, sections
+from kvroute_cli.options import load_layered, settings_flags
+from router.config import CostSettings, RouterSettings, Section, nest, sections
 
 
 def test_flat_and_nested_names_are_the_same_setting():
@@ -47,11 +47,53 @@ def test_flags_beat_environment_beat_yaml(tmp_path, monkeypatch):
     monkeypatch.setenv("KVROUTE_ADMISSION_MAX_WAITING", "2")
     monkeypatch.setenv("KVROUTE_COST_LOAD_EXPONENT", "1.25")
     monkeypatch.setenv("KVROUTE_PORT", "9002")
-    s = load_settings({"port": 9003, "health": {"failures": None}}, cfg)
+    s = load_layered(
+        RouterSettings, {"port": 9003, "health": {"failures": None}}, cfg,
+        env_prefix="KVROUTE_", nest=lambda data: nest(RouterSettings, data),
+    )  # fmt: skip
     assert s.port == 9003  # flag
     assert s.admission.max_waiting == 2 and s.cost.load_exponent == 1.25  # environment
     assert s.admission.queue_size == 7 and s.health.failures == 5  # file, section kept whole
     assert s.health.interval_s == 2.0  # default
+
+
+def test_engine_and_up_take_the_same_layers_as_the_router(tmp_path, monkeypatch):
+    """``kvroute engine`` and ``kvroute up``: flags > KVROUTE_ENGINE_* / KVROUTE_UP_* >
+    --config YAML, every layer by field name."""
+    import engine_adapter.sim.server as server
+    import stack.demo as demo
+
+    cfg = tmp_path / "engine.yaml"
+    cfg.write_text("gpu_blocks: 100\nmax_num_seqs: 5\nlora_modules: {a: /a}\nport: 1\n")
+    monkeypatch.setenv("KVROUTE_ENGINE_GPU_BLOCKS", "200")
+    monkeypatch.setenv("KVROUTE_ENGINE_PORT", "2")
+    monkeypatch.setenv("KVROUTE_PORT", "9")  # the router's: not the engine's
+    seen = []
+    monkeypatch.setattr(server, "serve", lambda settings, log_level: seen.append(settings))
+    args = ["engine", "--config", str(cfg), "--port", "3"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    (e,) = seen
+    assert (e.port, e.gpu_blocks, e.max_num_seqs, e.lora_modules) == (3, 200, 5, {"a": "/a"})
+    monkeypatch.setenv("KVROUTE_ENGINE_GPU_BLOCKS", "0")  # a bound, as a flag's
+    bad = CliRunner().invoke(app, ["engine", "--config", str(cfg)])
+    assert bad.exit_code == 2 and "gpu_blocks" in bad.output
+
+    up_cfg = tmp_path / "up.yaml"
+    up_cfg.write_text("turns: 2\nconversations: 3\npolicies: [cost, round_robin]\n")
+    monkeypatch.setenv("KVROUTE_UP_CONVERSATIONS", "4")
+    runs = []
+
+    def run_up(cfg, **kwargs):  # the settings it was given; no stack started
+        runs.append(cfg)
+        raise demo.DemoError("stopped by the test")
+
+    monkeypatch.setattr(demo, "run_up", run_up)
+    result = CliRunner().invoke(app, ["up", "--config", str(up_cfg), "--max-tokens", "7"])
+    assert result.exit_code == 1 and "stopped by the test" in result.output
+    (u,) = runs
+    assert (u.turns, u.conversations, u.max_tokens) == (2, 4, 7)
+    assert u.policies == ("cost", "round_robin")
 
 
 def test_every_component_setting_has_a_flag_named_after_it():
@@ -83,7 +125,7 @@ def test_router_flags_reach_the_cost_policy(monkeypatch):
     assert result.exit_code == 0, result.output
     (settings,) = seen
     state = RouterState(settings)
-    assert state.policy.stick_margin == 0.75
+    assert state.policy.defaults.stick_margin == 0.75
     assert state.policy.defaults.prefill_s_per_token == 0.001
     assert state.prediction.store.ttl_s == 0.5 and state.prediction.evictions is None
     refused = CliRunner().invoke(app, ["router", "--cost-fit-decay", "0"])

@@ -8,12 +8,20 @@ profile, same seed, same capacities" holds by construction.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from bench.replay.trace import TRACE_BLOCK_TOKENS
 from engine_adapter.sim.timing import TimingModel
 
-__all__ = ["OURS_POLICIES", "PEERS", "EngineConfig", "ReplayConfig", "parse_router"]
+__all__ = [
+    "OURS_POLICIES",
+    "PEERS",
+    "EngineConfig",
+    "ReplayConfig",
+    "checkout_kvroute",
+    "parse_router",
+]
 
 OURS_POLICIES = ("cost", "prefix_full_only", "round_robin", "least_loaded")
 PEERS = ("vllm-router", "sglang-router")
@@ -105,11 +113,18 @@ class ReplayConfig:
 def parse_router(spec: str) -> tuple[str, str]:
     """``ours:POLICY`` -> ("ours", POLICY); ``ours:POLICY*N`` -> ("ours", "POLICY*N"): N
     workers on one port (``--workers N``, on a private Redis index); a peer name -> (name,
-    its policy); ``model:PEER`` -> ("model", "model:PEER") (``bench.replay.peer_models``)."""
+    its policy); ``model:PEER`` -> ("model", "model:PEER") (``bench.replay.peer_models``).
+    ``ours:POLICY@CHECKOUT`` (live runs only) -> ("ours", "POLICY@CHECKOUT"): the router of
+    another checkout of kvroute (its own ``CHECKOUT/.venv/bin/kvroute``, from
+    ``scripts/setup.sh``), e.g. the commit before a change beside it in one interleaved
+    ``kvroute bench overhead`` run."""
     spec = spec.strip()
     if spec.startswith("ours:"):
         policy = spec.split(":", 1)[1]
-        base, _, workers = policy.partition("*")
+        body, _, checkout = policy.partition("@")
+        if checkout and not checkout_kvroute(checkout).is_file():
+            raise ValueError(f"{spec!r}: no {checkout_kvroute(checkout)} (scripts/setup.sh there)")
+        base, _, workers = body.partition("*")
         if workers and (not workers.isdigit() or int(workers) < 1):
             raise ValueError(f"workers in {spec!r} must be a positive integer")
         if base not in OURS_POLICIES:
@@ -125,3 +140,8 @@ def parse_router(spec: str) -> tuple[str, str]:
     if spec == "sglang-router":
         return spec, "cache_aware"
     raise ValueError(f"unknown router {spec!r}: use ours:POLICY, vllm-router or sglang-router")
+
+
+def checkout_kvroute(checkout: str) -> Path:
+    """The ``kvroute`` command of another checkout (``ours:POLICY@CHECKOUT``)."""
+    return Path(checkout).expanduser() / ".venv" / "bin" / "kvroute"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import zmq
 
-from bench.replay.config import ReplayConfig
+from bench.replay.config import ReplayConfig, checkout_kvroute
 from stack.procs import KVROUTE, EventForwarder, Proc, free_port, private_redis, wait_http
 
 __all__ = [
@@ -124,11 +124,13 @@ def router_command(
     index: str = "memory",
 ) -> list[str]:
     """The command line for ``ours`` / ``vllm-router`` / ``sglang-router`` (``ours``'s
-    ``POLICY*N``: N workers, on ``index``)."""
+    ``POLICY*N``: N workers, on ``index``; ``POLICY@CHECKOUT``: that checkout's router)."""
     urls = [e.url for e in engines]
     if kind == "ours":
+        policy, _, checkout = policy.partition("@")
         policy, _, workers = policy.partition("*")
-        cmd = [*KVROUTE, "--log-level", "WARNING", "router", "--host", "127.0.0.1"]
+        exe = [str(checkout_kvroute(checkout))] if checkout else KVROUTE
+        cmd = [*exe, "--log-level", "WARNING", "router", "--host", "127.0.0.1"]
         cmd += ["--port", str(port), "--policy", policy, "--index", index]
         if workers:
             cmd += ["--workers", workers]
@@ -178,6 +180,7 @@ def running_router(
             index = stack.enter_context(private_redis()).url
         cmd = [*router_command(kind, policy, port, engines, cfg, index), *extra]
         name = kind if kind != "ours" else f"ours-{policy.replace('*', 'x')}"
+        name = name.replace("/", "_")  # ours-POLICY@CHECKOUT: one log file name
         proc = spawn(name, cmd, logdir)
         try:
             wait_healthy(f"http://127.0.0.1:{port}/health", proc, timeout)

@@ -18,13 +18,7 @@ from typing import Any
 from bench.replay.config import ReplayConfig, parse_router
 from bench.replay.records import RequestRecord
 from bench.replay.report import write_report
-from bench.replay.trace import (
-    TraceRequest,
-    load_mooncake,
-    oracle_hits,
-    reindex,
-    sample_sessions,
-)
+from bench.replay.trace import TraceRequest, load_mooncake, oracle_hits, reindex, sample_sessions
 from bench.replay.workload import WorkloadConfig, generate
 
 __all__ = ["ReplayJob", "load_requests", "run_replay"]

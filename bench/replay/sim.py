@@ -39,13 +39,7 @@ from events.structs import KVEventBatch
 from router.build import build_router, eviction_tracker
 from router.config import RouterSettings
 from router.decision.layout import InstanceLayout, LayoutRegistry
-from router.decision.policy import (
-    COST_POLICIES,
-    CostRates,
-    LeastLoadedPolicy,
-    Policy,
-    make_policy,
-)
+from router.decision.policy import COST_POLICIES, CostRates, LeastLoadedPolicy, Policy, make_policy
 from router.fleet.instances import Instance
 from router.fleet.specs import InstanceSpec
 from router.index.memory import MemoryIndex
@@ -191,11 +185,6 @@ async def _simulate(
     index = MemoryIndex()
     layouts = LayoutRegistry(default=InstanceLayout.full(cfg.engine.block_size))
     insts = {n: Instance(InstanceSpec(n)) for n in names}
-    rates = CostRates(
-        prefill_s_per_token=rs.prefill_s_per_token,
-        load_s_per_token=rs.load_s_per_token,
-        request_overhead_s=rs.request_overhead_s,
-    )
     settings = RouterSettings(
         # Peer models are scored by the cost policy's machinery, full-attention-only for
         # vLLM-router's (it scores group 0 only); the policy itself is the model.
@@ -209,6 +198,7 @@ async def _simulate(
         request_overhead_s=rs.request_overhead_s,
         speculative_ttl_s=rs.speculative_ttl_s,
     )
+    rates = settings.cost  # the three rates above, the policy's other knobs at their defaults
     # The cost policy reads memory pressure (the peer models do not).
     evictions = eviction_tracker(settings, loop.time) if policy_name in COST_POLICIES else None
     router = build_router(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from events.groups import (
     FullAttentionSpec,
@@ -33,9 +33,16 @@ from events.groups import (
 from events.structs import BlockStored, KVEventBatch
 from router.decision.chunking import ChunkLearner
 
-__all__ = ["InstanceLayout", "LayoutRegistry", "default_layout"]
+__all__ = ["InstanceLayout", "LayoutRegistry", "SharedLayouts", "default_layout"]
 
 log = logging.getLogger(__name__)
+
+
+class SharedLayouts(Protocol):
+    """Where an ingesting router shares the layouts it learned: the index
+    (``router.index.base.BlockIndex.get_layouts``, one entry per instance)."""
+
+    async def get_layouts(self) -> dict[str, dict[str, Any]]: ...
 
 
 # The router's name for the one layout type (``events.groups.KVCacheLayout``, which the
@@ -207,7 +214,7 @@ class LayoutRegistry:
         self._resolved.clear()
         self.version += 1
 
-    async def refresh_from(self, index: Any) -> int:
+    async def refresh_from(self, index: SharedLayouts) -> int:
         """Adopt the layouts ingesters shared through ``index.put_layout`` (a reader router
         sharing a Redis index learns no layouts itself); returns how many changed."""
         changed = 0

@@ -10,8 +10,9 @@ Probes share the routing event loop, so they must be cheap at fleet scale: with 
 ``prober`` (the data plane's keep-alive client, ``router.http.upstream``) a probe is two GETs
 on a kept connection; through httpx's shared pool every request scanned every pooled
 connection, and 96 instances cost 11-24% of a core while idle. The served models
-(``on_up``) are re-read when an instance comes up and then every ``models_interval_s``,
-not on every probe.
+(``HealthListener.probed_up``) are re-read when an instance comes up and then every
+``models_interval_s``, not on every probe. What the checker finds is told to one typed
+listener given at construction (the router's composition root, ``router.state``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import Awaitable, Callable
 from dataclasses import KW_ONLY, dataclass, field
+from typing import Protocol
 
 import httpx
 
@@ -29,7 +30,7 @@ from router.fleet.engine_metrics import parse_engine_metrics
 from router.fleet.specs import InstanceSpec
 from router.http.upstream import Dropped, UpstreamError, UpstreamPool
 
-__all__ = ["Instance", "InstanceRegistry"]
+__all__ = ["HealthListener", "Instance", "InstanceRegistry"]
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class Instance:
     served: int = 0
     errors: int = 0
     down_since: float | None = None
-    models_read_at: float | None = None  # loop time of the last good probe's on_up
+    models_read_at: float | None = None  # loop time of the last good probe's probed_up
     # The engine's own load, KV usage and prefix-cache counters from its /metrics
     # (``router.fleet.engine_metrics``), as of the last probe; shown by /dashboard.
     engine_stats: dict[str, float] = field(default_factory=dict)
@@ -87,7 +88,21 @@ class Instance:
         return [(k.encode(), v.encode()) for k, v in self.route_headers.items()]
 
 
-OnChange = Callable[[Instance, bool], Awaitable[None]]
+class HealthListener(Protocol):
+    """Told, on the routing loop, what the health checker finds (``router.state``)."""
+
+    async def health_changed(self, inst: Instance, up: bool) -> None:
+        """``inst`` crossed a threshold: it is now up (``up``) or down."""
+
+    async def probed_up(self, inst: Instance) -> None:
+        """A good probe of ``inst`` that is due its served models' re-read (it came up, or
+        ``models_interval_s`` passed)."""
+
+    def block_size_seen(self, url: str, block_size: int) -> None:
+        """The engine's /metrics named a block size other than the one last seen."""
+
+    def probe_round_done(self) -> None:
+        """Every instance was probed once more (admission re-checks its thresholds)."""
 
 
 @dataclass(eq=False)
@@ -102,14 +117,9 @@ class InstanceRegistry:
     failures: int  # failed probes in a row that mark an instance down
     successes: int  # good probes in a row that bring it back
     read_metrics: bool = True
-    models_interval_s: float = 10.0  # re-read served models (on_up) at most this often
+    models_interval_s: float = 10.0  # re-read served models (probed_up) at most this often
     prober: UpstreamPool | None = None  # probe with this client (default: ``client``)
-    on_change: OnChange | None = None
-    on_block_size: Callable[[str, int], None] | None = None
-    # Called after each probe round (admission re-checks its thresholds).
-    on_probed: Callable[[], None] | None = None
-    # Called after each good probe of one instance (its served models are re-read).
-    on_up: Callable[[Instance], Awaitable[None]] | None = None
+    listener: HealthListener | None = None
     _instances: dict[str, Instance] = field(default_factory=dict, init=False, repr=False)
     _task: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
 
@@ -155,8 +165,8 @@ class InstanceRegistry:
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(i) for i in self.all()))
-        if self.on_probed is not None:
-            self.on_probed()
+        if self.listener is not None:
+            self.listener.probe_round_done()
 
     async def probe(self, inst: Instance) -> bool:
         ok = False
@@ -165,9 +175,9 @@ class InstanceRegistry:
             ok = status == 200
             if ok and self.read_metrics:
                 await self._read_waiting(inst)
-            if ok and self.on_up is not None and self._models_due(inst):
+            if ok and self.listener is not None and self._models_due(inst):
                 inst.models_read_at = asyncio.get_running_loop().time()
-                await self.on_up(inst)
+                await self.listener.probed_up(inst)
         except (httpx.HTTPError, UpstreamError, OSError):  # OSError: TimeoutError too
             ok = False
         await self.report(inst, ok)
@@ -209,16 +219,16 @@ class InstanceRegistry:
                 inst.healthy = True
                 inst.down_since = None
                 log.info("instance %s is up", inst.url)
-                if self.on_change:
-                    await self.on_change(inst, True)
+                if self.listener is not None:
+                    await self.listener.health_changed(inst, True)
         else:
             inst.fails, inst.oks = inst.fails + 1, 0
             if inst.healthy and inst.fails >= self.failures:
                 inst.healthy = False
                 inst.down_since = asyncio.get_running_loop().time()
                 log.warning("instance %s is down", inst.url)
-                if self.on_change:
-                    await self.on_change(inst, False)
+                if self.listener is not None:
+                    await self.listener.health_changed(inst, False)
 
     async def _read_waiting(self, inst: Instance) -> None:
         try:
@@ -239,6 +249,6 @@ class InstanceRegistry:
         b = next((m for m in found if m), None)
         if b and int(b.group(1)) != inst.engine_block_size:
             inst.engine_block_size = int(b.group(1))
-            if self.on_block_size is not None:
-                self.on_block_size(inst.url, inst.engine_block_size)
+            if self.listener is not None:
+                self.listener.block_size_seen(inst.url, inst.engine_block_size)
         inst.engine_stats = parse_engine_metrics(body)

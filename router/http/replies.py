@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import Response
@@ -37,25 +38,16 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 _JSON = (b"content-type", b"application/json")
 
 
+@dataclass(slots=True, eq=False)
 class Reply:
     """An answer ready to send over ASGI: status, headers, body (or a relay). ``after``
     runs once it is sent (or sending failed): bookkeeping the client need not wait for."""
 
-    __slots__ = ("after", "body", "headers", "relay", "status")
-
-    def __init__(
-        self,
-        status: int,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes = b"",
-        relay: Callable[[Send, Receive], Awaitable[None]] | None = None,
-        after: Callable[[], None] | None = None,
-    ) -> None:
-        self.status = status
-        self.headers = headers
-        self.body = body
-        self.relay = relay
-        self.after = after
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes = b""
+    relay: Callable[[Send, Receive], Awaitable[None]] | None = None
+    after: Callable[[], None] | None = None
 
     async def send(self, send: Send, receive: Receive) -> None:
         try:

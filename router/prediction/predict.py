@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from events.retention import retained_prompt_blocks
@@ -42,25 +43,15 @@ if TYPE_CHECKING:
 __all__ = ["PredictOnRoute"]
 
 
+@dataclass(slots=True, eq=False)
 class _Entry:
     """One request's prediction on one instance while it is in flight."""
 
-    __slots__ = ("decision", "expiry", "handle", "hashes", "layout", "size")
-
-    def __init__(
-        self,
-        decision: RouteDecision,
-        layout: InstanceLayout,
-        hashes: list[int],
-        handle: Held,
-        expiry: float,
-    ) -> None:
-        self.decision = decision
-        self.layout = layout  # the layout the recorded blocks assume
-        self.hashes = hashes  # the prompt's wire hashes at that layout's block size
-        self.size = layout.hash_block_size
-        self.handle = handle
-        self.expiry = expiry
+    decision: RouteDecision
+    layout: InstanceLayout  # the layout the recorded blocks assume
+    hashes: list[int]  # the prompt's wire hashes at that layout's block size
+    handle: Held
+    expiry: float
 
 
 class PredictOnRoute:
@@ -156,8 +147,8 @@ class PredictOnRoute:
                     continue
                 del inflight[key]
                 self.store.release(instance, entry.handle)
-                d = entry.decision
-                hashes = entry.hashes if entry.size == size else d.hashes.get(size)
+                d, old = entry.decision, entry.layout
+                hashes = entry.hashes if old.hash_block_size == size else d.hashes.get(size)
                 if hashes is None:  # vLLM hashes at another block size
                     hashes = self._rehash(d, size)
                 self._record(d, instance, layout, hashes)

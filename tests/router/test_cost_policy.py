@@ -274,9 +274,9 @@ def _eager_choose(p: CostPolicy, cands: list[Candidate], n: int) -> tuple[list[s
     first = next(c for c in cands if c.name == ranked[0])
     if (
         max(credits) > 0
-        and max(credits) >= p.min_sticky_fraction * n
+        and max(credits) >= p.defaults.min_sticky_fraction * n
         and max(first.full_tokens, first.gpu_tokens + first.cpu_tokens) < max(credits)
-        and parts[holder].objective_s <= (1 + p.stick_margin) * best
+        and parts[holder].objective_s <= (1 + p.defaults.stick_margin) * best
         and holder != ranked[0]
     ):
         ranked.remove(holder)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from engine_adapter.kv_cache_manager import KVCacheManager
 from engine_adapter.profiles import ModelProfile
@@ -18,7 +18,7 @@ from engine_adapter.sim.timing import TimingModel
 from events.publisher import NullEventPublisher
 from events.structs import BlockRemoved, BlockStored, KVEventBatch
 
-__all__ = ["CapturePublisher", "sim_engine", "tally"]
+__all__ = ["CapturePublisher", "DiffCell", "serve_cell", "sim_engine", "tally"]
 
 
 class CapturePublisher(NullEventPublisher):
@@ -30,6 +30,33 @@ class CapturePublisher(NullEventPublisher):
 
     def publish(self, batch: KVEventBatch) -> None:
         self.batches.append(batch)
+
+
+class DiffCell(Protocol):
+    """What a differential cell says about the real vLLM it runs against."""
+
+    model: str
+    vllm_block_size: int | None  # --block-size (None: vLLM picks)
+    num_gpu_blocks: int
+    chunk_budget: int | None  # --max-num-batched-tokens (None: vLLM's CPU default)
+
+
+def serve_cell(
+    vllm_server: Callable[..., Any], cell: DiffCell, kv_events_config: Any, max_model_len: int,
+    **options: Any,
+) -> Any:  # fmt: skip
+    """The real vLLM server for ``cell`` (the ``vllm_server`` fixture; blocking, so call it
+    in a thread): the cell's model, block size, GPU pool and step budget, publishing as
+    ``kv_events_config`` says. ``options``: more ``vllm_server`` keywords."""
+    return vllm_server(
+        cell.model,
+        kv_events_config=kv_events_config,
+        block_size=cell.vllm_block_size,
+        num_gpu_blocks=cell.num_gpu_blocks,
+        max_num_batched_tokens=cell.chunk_budget,
+        max_model_len=max_model_len,
+        **options,
+    )
 
 
 def sim_engine(

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from harness import EventRecorder, RecordedBatch, bind_mode_config, free_port
-from simkit import sim_engine, tally
+from simkit import serve_cell, sim_engine, tally
 from workload import FORCED_TOKEN, SAMPLING, Step, mixed_stream, next_messages, record_reply
 
 from engine_adapter.profiles import get_profile
@@ -93,15 +93,7 @@ async def test_simulated_engine_matches_vllm_request_by_request(
     case = CASES[model]
     cfg = bind_mode_config(f"diff-{case.model}", replay_port=free_port())
     rec: EventRecorder = event_recorder(cfg)
-    server = await asyncio.to_thread(
-        vllm_server,
-        case.model,
-        kv_events_config=cfg,
-        block_size=case.vllm_block_size,
-        num_gpu_blocks=case.num_gpu_blocks,
-        max_num_batched_tokens=case.chunk_budget,
-        max_model_len=MAX_MODEL_LEN,
-    )
+    server = await asyncio.to_thread(serve_cell, vllm_server, case, cfg, MAX_MODEL_LEN)
     block_size = case.block_size or await asyncio.to_thread(server.block_size)
     core, captured = sim_engine(
         get_profile(case.model, layout=case.layout, block_size=block_size),

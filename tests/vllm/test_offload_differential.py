@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 from harness import CpuOffload, EventRecorder, VllmServer, bind_mode_config
 from harness import free_port as harness_free_port
-from simkit import sim_engine
+from simkit import serve_cell, sim_engine
 from simkit import tally as tally_events
 from workload import FORCED_TOKEN, SAMPLING
 
@@ -216,17 +216,10 @@ async def test_offload_tier_matches_vllm_connector_request_by_request(
         self_describing_kv_events=cell.self_describing,
     )
     server: VllmServer = await asyncio.to_thread(
-        vllm_server,
-        cell.model,
-        kv_events_config=cfg,
-        block_size=cell.vllm_block_size,
-        num_gpu_blocks=cell.num_gpu_blocks,
-        max_num_batched_tokens=cell.chunk_budget,
-        max_model_len=cell.max_model_len,
-        cpu_offload=offload,
-        dev_mode=True,
+        serve_cell, vllm_server, cell, cfg, cell.max_model_len,
+        cpu_offload=offload, dev_mode=True,
         timeout=900,  # start-up is minutes on a loaded 2-core machine
-    )
+    )  # fmt: skip
     num_chunks = vllm_num_chunks(server)
     log.info("%s: vLLM's CPU tier has %d chunks", cell.name, num_chunks)
     assert num_chunks > 0

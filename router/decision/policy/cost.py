@@ -79,18 +79,7 @@ class CostPolicy(Policy):
         self.name = name
         s = self.defaults = settings or CostSettings()
         self.temperature = temperature
-        # Copied out of the settings: the ranking reads them per candidate.
-        self.load_exponent = s.load_exponent
-        self.continuation_exponent = s.continuation_exponent
-        self.continuation_fraction = s.continuation_fraction
-        self.roomy_continuation_exponent = s.roomy_continuation_exponent
-        self.roomy_continuation_fraction = s.roomy_continuation_fraction
         self.roomy = roomy
-        self.junction_credit = s.junction_credit
-        self.stick_margin = s.stick_margin
-        self.min_sticky_fraction = s.min_sticky_fraction
-        self.fit_decay = s.fit_decay
-        self.recent_half_life_s = s.recent_half_life_s
         self.clock = clock
         self.models: dict[str, _Model] = {}
         self.fleet = TtftFit(s.fit_decay)  # every observation: the prior of a new instance
@@ -99,7 +88,7 @@ class CostPolicy(Policy):
     def model(self, name: str) -> _Model:
         m = self.models.get(name)
         if m is None:
-            m = self.models[name] = _Model(fit=TtftFit(self.fit_decay))
+            m = self.models[name] = _Model(fit=TtftFit(self.defaults.fit_decay))
         return m
 
     def credited(self, c: Candidate, num_prompt_tokens: int, best_hit: int = 0) -> int:
@@ -114,7 +103,7 @@ class CostPolicy(Policy):
             cached = num_prompt_tokens
         full = c.full_tokens if c.full_tokens < num_prompt_tokens else num_prompt_tokens
         extra = full - (cached if cached > best_hit else best_hit)
-        return cached + int(self.junction_credit * extra) if extra > 0 else cached
+        return cached + int(self.defaults.junction_credit * extra) if extra > 0 else cached
 
     def exponent(self, num_prompt_tokens: int, best_hit: int, holder: str | None = None) -> float:
         """The load exponent for a request whose best hit anywhere is ``best_hit``, held by
@@ -123,13 +112,13 @@ class CostPolicy(Policy):
         if (
             holder is not None
             and roomy is not None
-            and best_hit >= self.roomy_continuation_fraction * num_prompt_tokens
+            and best_hit >= self.defaults.roomy_continuation_fraction * num_prompt_tokens
             and roomy(holder)
         ):
-            return self.roomy_continuation_exponent
-        if best_hit >= self.continuation_fraction * num_prompt_tokens:
-            return self.continuation_exponent
-        return self.load_exponent
+            return self.defaults.roomy_continuation_exponent
+        if best_hit >= self.defaults.continuation_fraction * num_prompt_tokens:
+            return self.defaults.continuation_exponent
+        return self.defaults.load_exponent
 
     def breakdown(
         self,
@@ -175,8 +164,8 @@ class CostPolicy(Policy):
         self._rng.shuffle(shuffled)  # ties: random, never list order
         models, fleet = self.models, self.fleet
         rate = self.defaults.prefill_s_per_token
-        scale, junction = fleet.scale, self.junction_credit
-        half_life = self.recent_half_life_s
+        scale, junction = fleet.scale, self.defaults.junction_credit
+        half_life = self.defaults.recent_half_life_s
         exponent = self.exponent(n, best_hit, holder)
         # Per candidate only what the ranking reads (``breakdown``'s objective, inlined:
         # this loop runs per instance per decision) and the backlog update, which must
@@ -244,7 +233,7 @@ class CostPolicy(Policy):
         credits = [inputs[name][4] for name in ranked]
         credit = max(credits)
         holder = ranked[credits.index(credit)]  # the first of equals: the better-ranked
-        if credit <= 0 or credit < self.min_sticky_fraction * num_prompt_tokens:
+        if credit <= 0 or credit < self.defaults.min_sticky_fraction * num_prompt_tokens:
             return None
         # Hysteresis keeps a prefix where it is: if the best-ranked candidate holds it in
         # full attention too (a shared system prompt, a sibling's junction), going there
@@ -254,7 +243,7 @@ class CostPolicy(Policy):
         if first.full_tokens >= credit or first.gpu_tokens + first.cpu_tokens >= credit:
             return None
         best = inputs[ranked[0]][3]
-        if inputs[holder][3] <= (1 + self.stick_margin) * best:
+        if inputs[holder][3] <= (1 + self.defaults.stick_margin) * best:
             return holder
         return None
 
@@ -263,7 +252,7 @@ class CostPolicy(Policy):
         (the cold tie-break above; ``choose`` alone does not count: ``/debug/route``)."""
         m = self.model(instance)
         now = self.clock()
-        m.recent = m.recent_at(now, self.recent_half_life_s) + uncached_tokens
+        m.recent = m.recent_at(now, self.defaults.recent_half_life_s) + uncached_tokens
         m.recent_t = now
 
     def observe(self, instance: str, predicted: Breakdown | float, observed_ttft_s: float) -> None:
