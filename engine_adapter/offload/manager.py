@@ -364,7 +364,8 @@ class OffloadManager:
                 if self.config.v033 and any(
                     b is None and r for b, r in zip(seg, reach, strict=True)
                 ):
-                    continue  # 0.33: a reachable null block would leave the chunk unwritten
+                    self.stats["null_block_skips"] += 1  # 0.33: part would stay unwritten
+                    continue
                 rows = [(i, b) for i, b in enumerate(seg) if b is not None]
                 offers.append(((hashes[c * k + k - 1], g), c, cast(list, rows)))
         if offers:
