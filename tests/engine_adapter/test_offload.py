@@ -359,3 +359,30 @@ def test_lookup_is_a_pure_read_and_a_finished_request_reranks_its_prefix() -> No
         assert kv.offload.is_ready((a.block_hashes[7], 0)) is run_it
         assert kv.offload.is_ready((b.block_hashes[7], 0)) is not run_it
         kv.close()
+
+
+@pytest.mark.parametrize("version", ["0.32", "0.33"])
+def test_a_preempted_request_restarting_at_token_0_offers_every_chunk_again_in_033(
+    version: str,
+) -> None:
+    # vLLM 0.33's get_num_new_matched_tokens sets next_stored_chunk_idx = 0 when a request
+    # is looked up at token 0 (after preemption); 0.32 keeps its store progress, so a
+    # chunk stored before the preemption and evicted since is never offered again.
+    kv = make_kv("full", num_blocks=64, chunks=2, vllm_version=version)
+    rng = random.Random(7)
+    r = kv.new_request("r", tokens(rng, 128 + 5))
+    admit(kv, r, chunk=64)
+    assert [e.block_hashes for e in cpu_events(end_step(kv))] == [r.wire_hashes[0:4]]
+    kv.free(r, finished=False)  # preempted: recompute from token 0
+    r.num_computed_tokens = 0
+    x = kv.new_request("x", tokens(rng, 128 + 5))
+    admit(kv, x)  # its two chunks take the tier: r's chunk 0 goes
+    removed = [e for e in cpu_events(end_step(kv)) if isinstance(e, BlockRemoved)]
+    assert [e.block_hashes for e in removed] == [r.wire_hashes[0:4]]
+    kv.free(x)
+    end_step(kv)
+    assert admit(kv, r) == (64, 0)  # r's GPU blocks are still cached
+    stored = [e.block_hashes for e in cpu_events(end_step(kv)) if isinstance(e, BlockStored)]
+    w = r.wire_hashes
+    assert stored == ([w[4:8]] if version == "0.32" else [w[0:4], w[4:8]])
+    kv.close()
