@@ -1,8 +1,21 @@
 """The CPU offload tier: chunk slots, eviction policy, copies, and ``medium="CPU"`` events.
 
-It behaves as vLLM 0.32's ``OffloadingConnector`` with ``CPUOffloadingSpec`` does (checked
-against the real connector in ``tests/vllm/test_offload_differential.py``); each rule names
-the vLLM function it follows (``offloading/scheduler.py`` unless said otherwise):
+It behaves as vLLM's ``OffloadingConnector`` with ``CPUOffloadingSpec`` does, 0.32's or
+0.33's (``OffloadConfig.vllm_version``; 0.32 checked against the real connector in
+``tests/vllm/test_offload_differential.py``, both against the connector's scheduler side
+in process in ``tests/vllm/test_offload_inprocess.py``); each rule names the vLLM function
+it follows (``offloading/scheduler.py`` unless said otherwise). What 0.33 changes
+(docs/vllm-0.32-vs-0.33.md rows 16-22):
+
+* LRU ranks per request (``policies.RankedLRUPolicy``), first accesses reported to the
+  policy (``_seen``);
+* a chunk with a reachable null block is not offered (``store``; 0.32 offers it when its
+  last block is not null);
+* self-describing placeholders name their group's kind and window (``_stored_event``);
+* a request looked up at token 0 (preempted, restarting) offers every chunk again
+  (``lookup``; 0.32 keeps its store progress);
+* a reset waits for the copies in flight before the tier is reused (a fence): timing
+  only, the same chunks are cached after it, so not modelled.
 
 * **What is offered** (``_build_store_jobs``): at the end of every step, for every request
   scheduled in it, the whole chunks its computed tokens cover (``storable_chunks``; prompt
@@ -58,7 +71,9 @@ from engine_adapter.request import Request
 from events.groups import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from events.structs import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 
-__all__ = ["OffloadConfig", "OffloadManager"]
+__all__ = ["VLLM_VERSIONS", "OffloadConfig", "OffloadManager"]
+
+VLLM_VERSIONS = ("0.32", "0.33")
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +84,10 @@ Table = Sequence[KVBlock | None]
 class OffloadConfig:
     """CPU tier settings; names and defaults are vLLM's ``kv_connector_extra_config``
     keys of ``OffloadingConnector`` (``blocks_per_chunk`` 1, ``eviction_policy`` lru,
-    ``self_describing_kv_events`` false, ``offload_prompt_only`` true)."""
+    ``self_describing_kv_events`` false, ``offload_prompt_only`` true).
+
+    ``vllm_version``: whose connector to follow, "0.33" (what GPU fleets run) or "0.32"
+    (the CPU build the conformance suite runs); docs/vllm-0.32-vs-0.33.md rows 16-22."""
 
     num_cpu_chunks: int
     blocks_per_chunk: int = 1
@@ -78,6 +96,15 @@ class OffloadConfig:
     offload_prompt_only: bool = True
     pin_memory: bool | None = None  # default: only when CUDA is present
     copy_delay_steps: int = 0  # extra steps a store stays in flight (tests)
+    vllm_version: str = "0.33"  # "0.32" | "0.33"
+
+    def __post_init__(self) -> None:
+        if self.vllm_version not in VLLM_VERSIONS:
+            raise ValueError(f"vllm_version {self.vllm_version!r}: expected one of {VLLM_VERSIONS}")
+
+    @property
+    def v033(self) -> bool:
+        return self.vllm_version == "0.33"
 
 
 @dataclass(slots=True)
@@ -108,6 +135,7 @@ class _ReqState:
     inserted: set[OffloadKey] = field(default_factory=set)
     reused: set[OffloadKey] = field(default_factory=set)
     store_misses: set[OffloadKey] = field(default_factory=set)
+    lru_rank: int | None = None  # 0.33's LRU: the request's provisional rank
 
 
 class OffloadManager:
@@ -131,7 +159,7 @@ class OffloadManager:
         self._events: list[KVCacheEvent] = []
         self.enable_events = enable_events
         self.cpu_kv = allocate_cpu_kv(profile, config.num_cpu_chunks, self.k, config.pin_memory)
-        self.policy = make_policy(config.policy, config.num_cpu_chunks)
+        self.policy = make_policy(config.policy, config.num_cpu_chunks, config.vllm_version)
         self.transfer = TransferEngine(gpu_kv, self.cpu_kv)
         self._free_slots = list(range(config.num_cpu_chunks - 1, -1, -1))
         self._info: dict[OffloadKey, _ChunkInfo] = {}
@@ -149,6 +177,9 @@ class OffloadManager:
         # largest chunk for models without full attention).
         self.alignment_tokens = self.tokens_per_chunk
         self.stats: Counter[str] = Counter()
+        # 0.33's OffloadingEventsTracker: with self-describing events on, placeholders
+        # (window / Mamba groups) carry their group's kind and window too; 0.32: None.
+        self._classify = config.self_describing and config.v033
 
     # ---- lookup ---------------------------------------------------------------------
 
@@ -168,7 +199,12 @@ class OffloadManager:
         """CPU extension of ``gpu_hit`` for ``request`` (chunks being written included).
 
         A pure read, as ``CPUOffloadingManager.lookup``: recency changes only when the
-        request finishes."""
+        request finishes. 0.33 (``get_num_new_matched_tokens``): a request looked up at
+        token 0 -- new, or preempted and restarting -- offers every chunk again."""
+        if self.config.v033 and not request.num_computed_tokens:
+            state = self._reqs.get(request.request_id)
+            if state is not None:
+                state.next_stored = [0] * len(self.specs)
         return num_cpu_hit_tokens(
             self.specs, request, gpu_hit, self.tokens_per_chunk, self.is_present
         )
@@ -247,22 +283,29 @@ class OffloadManager:
             state = self._reqs[request.request_id] = _ReqState([0] * len(self.specs))
         return state
 
-    @staticmethod
-    def _seen(state: _ReqState, keys: Sequence[tuple[OffloadKey, int]]) -> None:
-        """Record accessed keys with their end token (vLLM's offload key position)."""
+    def _seen(self, state: _ReqState, keys: Sequence[tuple[OffloadKey, int]]) -> None:
+        """Record accessed keys with their end token (vLLM's offload key position); the
+        first access of each is reported to the policy (0.33's ``on_request_access``)."""
+        new = []
         for key, end in keys:
-            state.keys_seen.setdefault(key, end)
+            if key not in state.keys_seen:
+                state.keys_seen[key] = end
+                new.append(key)
+        if new:
+            self.policy.on_request_access(new, state)
 
-    def _reachable(self, request: Request, g: int, lo_chunk: int, hi_chunk: int) -> list[bool]:
-        """Per chunk in ``[lo_chunk, hi_chunk)``: does a block of it serve a hit? Full
-        attention and Mamba: yes; sliding window: vLLM's reachable mask at retention 0."""
+    def _reachable(
+        self, request: Request, g: int, lo_chunk: int, hi_chunk: int
+    ) -> list[bool] | None:
+        """Per block of the chunks ``[lo_chunk, hi_chunk)``: does it serve a hit? None:
+        every block (full attention, Mamba); sliding window: vLLM's reachable mask
+        (``reachable_block_mask``) at retention 0."""
         spec = self.specs[g]
-        n = hi_chunk - lo_chunk
         if not isinstance(spec, SlidingWindowSpec):
-            return [True] * n
+            return None
         bs, k = spec.block_size, self.k
         if self.alignment_tokens % bs:
-            return [True] * n
+            return None
         need = spec.window_blocks
         keep: set[int] = set()
         boundaries = [request.num_prompt_tokens - 1]
@@ -271,7 +314,7 @@ class OffloadManager:
         for b in boundaries:
             end = b // self.alignment_tokens * self.alignment_tokens // bs
             keep.update(range(max(0, end - need), end))
-        return [any((c * k + i) in keep for i in range(k)) for c in range(lo_chunk, hi_chunk)]
+        return [b in keep for b in range(lo_chunk * k, hi_chunk * k)]
 
     def store(
         self,
@@ -310,10 +353,18 @@ class OffloadManager:
             start = state.next_stored[g]
             if self._mamba[g] or end <= start:
                 continue
-            reachable = self._reachable(request, g, start, end)
+            mask = self._reachable(request, g, start, end)
             for c in range(start, end):
                 seg = table[c * k : (c + 1) * k]
-                if seg[-1] is None or not reachable[c - start]:
+                if seg[-1] is None:
+                    continue
+                reach = mask[(c - start) * k : (c - start + 1) * k] if mask else [True] * k
+                if not any(reach):
+                    continue
+                if self.config.v033 and any(
+                    b is None and r for b, r in zip(seg, reach, strict=True)
+                ):
+                    self.stats["null_block_skips"] += 1  # 0.33: part would stay unwritten
                     continue
                 rows = [(i, b) for i, b in enumerate(seg) if b is not None]
                 offers.append(((hashes[c * k + k - 1], g), c, cast(list, rows)))
@@ -366,7 +417,7 @@ class OffloadManager:
         src: list[KVBlock] = []
         for key, c, rows in todo:
             chunk = Chunk(self._free_slots.pop())
-            self.policy.insert(key, chunk)
+            self.policy.insert(key, chunk, state)
             self._info[key] = self._snapshot(request, key[1], c)
             base = chunk.slot * k
             gpu_rows[key[1]].extend(block.block_id for _, block in rows)
@@ -494,8 +545,10 @@ class OffloadManager:
             lora_name=info.lora_name,
             extra_keys=None,
             group_idx=key[1],
-            kv_cache_spec_kind=spec.kind if info.described else None,
-            kv_cache_spec_sliding_window=spec.sliding_window if info.described else None,
+            kv_cache_spec_kind=spec.kind if info.described or self._classify else None,
+            kv_cache_spec_sliding_window=(
+                spec.sliding_window if info.described or self._classify else None
+            ),
         )
 
     def poll(self) -> None:
@@ -543,6 +596,7 @@ class OffloadManager:
             state.inserted.clear()
             state.reused.clear()
             state.store_misses.clear()
+            state.lru_rank = None
         self._finished.clear()
         self._finishing.clear()
         self._free_slots = list(range(self.config.num_cpu_chunks - 1, -1, -1))

@@ -1,4 +1,4 @@
-"""Eviction policies for the CPU tier: LRU and ARC, over chunk keys, as vLLM 0.32 runs them.
+"""Eviction policies for the CPU tier: LRU and ARC, over chunk keys, as vLLM runs them.
 
 vLLM: ``vllm/v1/kv_offload/cpu/policies/{lru,arc}.py`` behind ``CPUOffloadingManager``.
 A chunk is readable once its store copy completed (``ref_cnt >= 0``), evictable only when
@@ -17,15 +17,33 @@ recency. What does:
 
 ``evict`` is atomic (all ``n`` victims or nothing) and never picks a ``protected`` key
 (the keys of the store being prepared).
+
+vLLM 0.33 changed LRU only (``LRUCachePolicy``, :class:`RankedLRUPolicy`): recency is a rank
+``(request rank, -token position)``. A running request takes one provisional rank at its
+first access (``_get_request_rank``); every chunk it inserts or first accesses
+(``on_request_access``, reported by ``CPUOffloadingManager._record_request_cache_access``)
+gets that rank, the tail before the head, and keeps it until some later request's rank or
+a commit passes it; ``on_request_finished`` commits the request's keys with fresh ranks
+from the tail, as 0.32 does. Ties (the same chunk position in several groups) go by key:
+hash, then group. ARC's 0.33 code is 0.32's (``on_request_access`` is the base no-op).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
-__all__ = ["ARCPolicy", "CachePolicy", "Chunk", "LRUPolicy", "make_policy"]
+__all__ = [
+    "ARCPolicy",
+    "CachePolicy",
+    "Chunk",
+    "LRUPolicy",
+    "RankedLRUPolicy",
+    "RequestAccess",
+    "make_policy",
+]
 
 Key = Hashable
 
@@ -44,9 +62,18 @@ class Chunk:
         return self.ref_cnt >= 0
 
 
+class RequestAccess(Protocol):
+    """What a policy reads of a request (vLLM's ``ReqContext``): the end token of each
+    key it accessed, and the slot for its LRU rank."""
+
+    keys_seen: dict[Any, int]
+    lru_rank: int | None
+
+
 class CachePolicy(Protocol):
     def get(self, key: Key) -> Chunk | None: ...
-    def insert(self, key: Key, chunk: Chunk) -> None: ...
+    def insert(self, key: Key, chunk: Chunk, req: RequestAccess) -> None: ...
+    def on_request_access(self, keys: Sequence[Key], req: RequestAccess) -> None: ...
     def remove(self, key: Key) -> None: ...
     def on_store_miss(self, keys: Sequence[Key]) -> None: ...
     def on_request_finished(
@@ -75,8 +102,11 @@ class LRUPolicy:
     def get(self, key: Key) -> Chunk | None:
         return self._chunks.get(key)
 
-    def insert(self, key: Key, chunk: Chunk) -> None:
+    def insert(self, key: Key, chunk: Chunk, req: RequestAccess) -> None:
         self._chunks[key] = chunk
+
+    def on_request_access(self, keys: Sequence[Key], req: RequestAccess) -> None:
+        return  # 0.32 has no such hook
 
     def remove(self, key: Key) -> None:
         self._chunks.pop(key, None)
@@ -134,7 +164,7 @@ class ARCPolicy:
         chunk = self.t1.get(key)
         return chunk if chunk is not None else self.t2.get(key)
 
-    def insert(self, key: Key, chunk: Chunk) -> None:
+    def insert(self, key: Key, chunk: Chunk, req: RequestAccess) -> None:
         self.t1[key] = chunk
         self.b1.pop(key, None)
         self.b2.pop(key, None)
@@ -156,6 +186,9 @@ class ARCPolicy:
     def on_store_miss(self, keys: Sequence[Key]) -> None:
         for key in reversed(keys):
             self._adapt_to_ghost_hit(key)
+
+    def on_request_access(self, keys: Sequence[Key], req: RequestAccess) -> None:
+        return  # ARC keeps the base no-op in 0.33
 
     def on_request_finished(
         self, keys: Sequence[Key], inserted_only: set[Key], reused: set[Key]
@@ -222,9 +255,94 @@ class ARCPolicy:
         return len(self.t1) + len(self.t2)
 
 
-def make_policy(name: str, capacity: int) -> CachePolicy:
+class RankedLRUPolicy:
+    """vLLM 0.33's ``LRUCachePolicy``: the idle chunk with the lowest ``(rank, key)`` goes
+    first. Ranks only grow; a commit and a new request's rank both draw from one counter
+    (``_next_rank``), so a request still running keeps the rank it drew when it started
+    and its chunks age behind everything committed since."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._chunks: dict[Key, Chunk] = {}
+        self._ranks: dict[Key, tuple[int, int]] = {}
+        self._next_rank = 0
+
+    def _request_rank(self, req: RequestAccess) -> int:
+        if req.lru_rank is None:  # the manager clears it when the cache is reset
+            self._next_rank += 1
+            req.lru_rank = self._next_rank
+        return req.lru_rank
+
+    def get(self, key: Key) -> Chunk | None:
+        return self._chunks.get(key)
+
+    def insert(self, key: Key, chunk: Chunk, req: RequestAccess) -> None:
+        self._chunks[key] = chunk
+        position = req.keys_seen.get(key)
+        if position is None:
+            self._next_rank += 1
+            self._ranks[key] = (self._next_rank, 0)
+        else:
+            self._ranks[key] = (self._request_rank(req), -position)
+
+    def remove(self, key: Key) -> None:
+        self._chunks.pop(key, None)
+        self._ranks.pop(key, None)
+
+    def on_store_miss(self, keys: Sequence[Key]) -> None:
+        return  # a touch of keys not cached: no-op
+
+    def on_request_access(self, keys: Sequence[Key], req: RequestAccess) -> None:
+        rank = self._request_rank(req)
+        for key in keys:
+            position = req.keys_seen.get(key)
+            if position is None or key not in self._chunks:
+                continue
+            new = (rank, -position)
+            if self._ranks[key] < new:
+                self._ranks[key] = new
+
+    def on_request_finished(
+        self, keys: Sequence[Key], inserted_only: set[Key], reused: set[Key]
+    ) -> None:
+        for key in reversed(keys):
+            if key in self._chunks:
+                self._next_rank += 1
+                self._ranks[key] = (self._next_rank, 0)
+
+    def evict(self, n: int, protected: set[Key]) -> list[tuple[Key, Chunk]] | None:
+        if n <= 0:
+            return []
+        ranks = self._ranks
+        idle = (
+            (ranks[key], key)
+            for key, chunk in self._chunks.items()
+            if chunk.ref_cnt == 0 and key not in protected
+        )
+        victims = heapq.nsmallest(n, idle)
+        if len(victims) < n:
+            return None
+        out = []
+        for _, key in victims:
+            out.append((key, self._chunks.pop(key)))
+            del ranks[key]
+        return out
+
+    def clear(self) -> None:
+        self._chunks.clear()
+        self._ranks.clear()
+        self._next_rank = 0
+
+    def items(self) -> Iterator[tuple[Key, Chunk]]:
+        return iter(self._chunks.items())
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+
+def make_policy(name: str, capacity: int, vllm_version: str = "0.33") -> CachePolicy:
     if name == "lru":
-        return LRUPolicy(capacity)
+        return RankedLRUPolicy(capacity) if vllm_version == "0.33" else LRUPolicy(capacity)
     if name == "arc":
         return ARCPolicy(capacity)
     raise ValueError(f"unknown offload cache policy {name!r}; expected 'lru' or 'arc'")

@@ -91,6 +91,7 @@ def build_engine(settings: EngineSettings) -> tuple[FastAPI, EngineCore]:
             blocks_per_chunk=settings.blocks_per_chunk,
             policy=settings.offload_policy,
             self_describing=settings.self_describing_cpu_events,
+            vllm_version=settings.vllm_version,
         )
     tokenizer = load_tokenizer(settings.tokenizer)
     filler = tokenizer.encode(FILLER_TEXT)

@@ -15,12 +15,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine_adapter.sim.timing import TimingModel
 from events.config import KVEventsConfig
 
-__all__ = ["PROFILE_NAMES", "EngineSettings", "ProfileName"]
+__all__ = ["PROFILE_NAMES", "VLLM_VERSIONS", "EngineSettings", "ProfileName", "VllmVersion"]
 
 ProfileName = Literal[
     "full", "swa-hybrid", "mamba-hybrid", "gemma3", "gpt-oss", "qwen3-next", "llama"
 ]
 PROFILE_NAMES: tuple[str, ...] = get_args(ProfileName)
+# The vLLM release whose CPU offload tier the engine follows (docs/vllm-0.32-vs-0.33.md).
+VllmVersion = Literal["0.32", "0.33"]
+VLLM_VERSIONS: tuple[str, ...] = get_args(VllmVersion)
 
 
 class EngineSettings(BaseModel):
@@ -53,6 +56,12 @@ class EngineSettings(BaseModel):
         False,
         description="CPU events name every block of a full-attention chunk (vLLM's "
         "self_describing_kv_events; off: one placeholder hash per chunk, vLLM's default).",
+    )
+    vllm_version: VllmVersion = Field(
+        "0.33",
+        description="vLLM release whose CPU offload tier to follow: 0.33 (what GPU fleets "
+        "run) or 0.32 (the CPU build the conformance suite runs); see "
+        "docs/vllm-0.32-vs-0.33.md.",
     )
     kv_events: KVEventsConfig | None = Field(
         None,

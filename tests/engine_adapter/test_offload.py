@@ -26,6 +26,7 @@ def make_kv(
         policy=kw.pop("policy", "lru"),
         self_describing=kw.pop("self_describing", True),
         offload_prompt_only=kw.pop("offload_prompt_only", True),
+        vllm_version=kw.pop("vllm_version", "0.33"),
     )
     prof = get_profile(profile, sliding_window=64, page_bytes=256)
     return KVCacheManager(prof, num_blocks, offload=cfg, **kw)
@@ -86,11 +87,15 @@ def expected_hit(kv: KVCacheManager, state: EventState, req) -> tuple[int, int]:
     )
 
 
-def test_cpu_events_come_the_step_after_the_store_and_describe_full_attention_only() -> None:
+@pytest.mark.parametrize("version", ["0.32", "0.33"])
+def test_cpu_events_come_the_step_after_the_store_and_describe_full_attention_only(
+    version: str,
+) -> None:
     # vLLM: the worker submits a store at the next step's start, so its BlockStored is in
     # the next step's batch; self-describing payloads only for full attention
-    # (OffloadingEventsTracker.record_store), placeholders for window groups.
-    kv = make_kv("swa-hybrid")
+    # (OffloadingEventsTracker.record_store), placeholders for window groups -- which in
+    # 0.33 name their group's kind and window (``_placeholder_stored``).
+    kv = make_kv("swa-hybrid", vllm_version=version)
     rng = random.Random(0)
     req = kv.new_request("r", tokens(rng, 128 + 5))
     admit(kv, req)
@@ -117,7 +122,12 @@ def test_cpu_events_come_the_step_after_the_store_and_describe_full_attention_on
         0,
         None,
     )
-    assert placeholder.kv_cache_spec_kind is None
+    if version == "0.32":
+        assert placeholder.kv_cache_spec_kind is None
+        assert placeholder.kv_cache_spec_sliding_window is None
+    else:
+        assert placeholder.kv_cache_spec_kind == "sliding_window"
+        assert placeholder.kv_cache_spec_sliding_window == 64
     kv.close()
 
 
@@ -228,19 +238,22 @@ def test_swa_stores_only_reachable_window_chunks_and_lookup_follows_the_rule() -
     kv.close()
 
 
-def test_cpu_removed_events_fan_out_to_the_stored_hashes() -> None:
-    kv = make_kv("full", num_blocks=32, chunks=2)
+@pytest.mark.parametrize("version", ["0.32", "0.33"])
+def test_cpu_removed_events_fan_out_to_the_stored_hashes(version: str) -> None:
+    kv = make_kv("full", num_blocks=32, chunks=2, vllm_version=version)
     rng = random.Random(5)
     a = kv.new_request("a", tokens(rng, 128))
     admit(kv, a)
     stored = cpu_events(end_step(kv))
     assert [e.block_hashes for e in stored] == [a.wire_hashes[0:4], a.wire_hashes[4:8]]
     b = kv.new_request("b", tokens(rng, 128))
-    admit(kv, b)  # needs both CPU slots: a's chunks go, in the order they were stored
+    # b needs both CPU slots: a's chunks go -- 0.32 in the order they were stored; 0.33
+    # by a's provisional rank, its tail first (``LRUCachePolicy.insert``: -position).
+    admit(kv, b)
     removed = [e for e in end_step(kv) if isinstance(e, BlockRemoved)]
-    assert [(e.group_idx, e.medium, e.block_hashes) for e in removed] == [
-        (0, MEDIUM_CPU, a.wire_hashes[0:4] + a.wire_hashes[4:8])
-    ]
+    w = a.wire_hashes
+    order = w[0:4] + w[4:8] if version == "0.32" else w[4:8] + w[0:4]
+    assert [(e.group_idx, e.medium, e.block_hashes) for e in removed] == [(0, MEDIUM_CPU, order)]
     assert {h for (_, h, m) in kv.residency() if m == MEDIUM_CPU} == set(b.wire_hashes[:8])
     kv.close()
 
@@ -346,3 +359,30 @@ def test_lookup_is_a_pure_read_and_a_finished_request_reranks_its_prefix() -> No
         assert kv.offload.is_ready((a.block_hashes[7], 0)) is run_it
         assert kv.offload.is_ready((b.block_hashes[7], 0)) is not run_it
         kv.close()
+
+
+@pytest.mark.parametrize("version", ["0.32", "0.33"])
+def test_a_preempted_request_restarting_at_token_0_offers_every_chunk_again_in_033(
+    version: str,
+) -> None:
+    # vLLM 0.33's get_num_new_matched_tokens sets next_stored_chunk_idx = 0 when a request
+    # is looked up at token 0 (after preemption); 0.32 keeps its store progress, so a
+    # chunk stored before the preemption and evicted since is never offered again.
+    kv = make_kv("full", num_blocks=64, chunks=2, vllm_version=version)
+    rng = random.Random(7)
+    r = kv.new_request("r", tokens(rng, 128 + 5))
+    admit(kv, r, chunk=64)
+    assert [e.block_hashes for e in cpu_events(end_step(kv))] == [r.wire_hashes[0:4]]
+    kv.free(r, finished=False)  # preempted: recompute from token 0
+    r.num_computed_tokens = 0
+    x = kv.new_request("x", tokens(rng, 128 + 5))
+    admit(kv, x)  # its two chunks take the tier: r's chunk 0 goes
+    removed = [e for e in cpu_events(end_step(kv)) if isinstance(e, BlockRemoved)]
+    assert [e.block_hashes for e in removed] == [r.wire_hashes[0:4]]
+    kv.free(x)
+    end_step(kv)
+    assert admit(kv, r) == (64, 0)  # r's GPU blocks are still cached
+    stored = [e.block_hashes for e in cpu_events(end_step(kv)) if isinstance(e, BlockStored)]
+    w = r.wire_hashes
+    assert stored == ([w[4:8]] if version == "0.32" else [w[0:4], w[4:8]])
+    kv.close()

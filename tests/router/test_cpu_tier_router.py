@@ -12,6 +12,7 @@ import json
 import pytest
 from routerkit import batch, removed, stored
 
+from events.codec import decode_batch, encode_batch
 from events.structs import BlockStored
 from router.decision.chunking import ChunkLearner
 from router.decision.layout import InstanceLayout, LayoutRegistry
@@ -128,6 +129,42 @@ def test_window_and_mamba_stores_do_not_place_hashes():
     learner.observe(batch(gpu_store(hs)))
     assert learner.observe(batch(placeholder(hs[5], group=1), placeholder(hs[2], group=2)))
     assert learner.tokens_per_chunk == 3 * BS  # ends 192 and 96
+
+
+@pytest.mark.parametrize("form", ["map", "array"])
+def test_placeholders_of_both_vllm_releases_decode_and_teach_the_same(form):
+    # vLLM 0.33 with self-describing events on: window / Mamba placeholders name their
+    # group's kind and window (OffloadingEventsTracker._placeholder_stored); 0.32 sends
+    # None. Both decode, and the router learns the same from either: it reads a
+    # placeholder's hash and group only (docs/vllm-0.32-vs-0.33.md row 20).
+    hs = chain(6)
+    gpu = batch(
+        gpu_store(hs),
+        gpu_store([hs[4], hs[5]], group=1, kind="sliding_window", window=64),
+    )
+    v032 = [placeholder(hs[5], group=1), placeholder(hs[2], group=0)]
+    v033 = [
+        stored([hs[5]], 1, "CPU", block_size=0, kind="sliding_window", window=64),
+        stored([hs[2]], 0, "CPU", block_size=0, kind="full_attention"),
+    ]
+    learned = []
+    for events in (v032, v033):
+        decoded = decode_batch(encode_batch(batch(*events), form))
+        assert [
+            (e.block_hashes, e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+            for e in decoded.events
+        ] == [
+            (e.block_hashes, e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+            for e in events
+        ]
+        learner, reg = ChunkLearner(), LayoutRegistry()
+        learner.observe(gpu)
+        reg.observe("a", gpu)
+        learner.observe(decoded)
+        reg.observe("a", decoded)
+        learned.append((learner.tokens_per_chunk, reg.get("a")))
+    assert learned[0] == learned[1]
+    assert learned[0][0] == 3 * BS and learned[0][1] is not None  # ends 192 and 96
 
 
 def _cpu_scenario(reg: LayoutRegistry, name: str = "a", *, self_desc: bool = False) -> list[int]:

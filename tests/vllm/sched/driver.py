@@ -11,6 +11,21 @@ stdin: one JSON object -- ``model_dir``, ``block_size``, ``budget``, ``num_block
 served one after another. stdout (last line): JSON with vLLM's version, its block sizes and,
 per request, the prefix hit (``cached``) and the KV events published while it ran, as
 ``[type, group_idx, hash]`` rows.
+
+``offload`` (optional): vLLM's ``OffloadingConnector`` with its own ``CPUOffloadingSpec``
+(``kv_connector_extra_config``: ``cpu_bytes_to_use``, ``blocks_per_chunk``,
+``eviction_policy``, ``self_describing_kv_events``). Its scheduler side -- lookups, store
+jobs, ``CPUOffloadingManager`` with LRU / ARC, the CPU events -- is vLLM's, unchanged. Its
+worker side is vLLM's ``OffloadingConnectorWorker`` called in the model runner's order
+(``handle_preemptions``, ``start_load_kv``, ``wait_for_save``, ``get_finished``,
+``build_connector_worker_meta``) over a worker that copies nothing and reports each job
+done at the first poll after submission: a store offered at step N completes in step N+1
+(submitted at its start), a load in its own step, as the host worker on a server does.
+Then each request also reports ``cpu`` (its external tokens, vLLM's ``prefill_stats``),
+the result ``num_chunks``, and requests may carry ``reset`` (``reset_prefix_cache``
+before it, ``reset_connector`` as vLLM's ``reset_external``).
+
+``{"jobs": [...]}`` runs several jobs in one process (importing vLLM is most of the cost).
 """
 
 from __future__ import annotations
@@ -82,7 +97,72 @@ def _layer_specs(cfg: Any, layout: str, block_size: int) -> dict[str, Any]:
     raise ValueError(f"unknown layout {layout!r}")
 
 
+class _DoneAtFirstPoll:
+    """An ``OffloadingWorker`` without copies: every job submitted is finished at the
+    next ``get_finished``."""
+
+    def __init__(self) -> None:
+        self.submitted: list[int] = []
+
+    def submit_store(self, job_id: int, *args: Any, **kwargs: Any) -> bool:
+        self.submitted.append(job_id)
+        return True
+
+    submit_load = submit_store
+
+    def get_finished(self) -> list[Any]:
+        from vllm.v1.kv_offload.base import TransferResult
+
+        done, self.submitted = self.submitted, []
+        return [TransferResult(job_id, True) for job_id in done]
+
+    def wait(self, job_ids: set[int]) -> None:
+        return
+
+    def shutdown(self) -> None:
+        return
+
+
+def _offload_worker(cfg: Any, kv_config: Any) -> Any:
+    """vLLM's worker-side connector over :class:`_DoneAtFirstPoll`."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+
+    conn = OffloadingConnector(cfg, KVConnectorRole.WORKER, kv_config)
+    assert conn.connector_worker is not None
+    conn.connector_worker.worker = _DoneAtFirstPoll()
+    return conn.connector_worker
+
+
+def _worker_step(worker: Any, out: Any) -> Any:
+    """The model runner's connector calls for one step; returns the KVConnectorOutput."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    meta = out.kv_connector_metadata
+    worker.handle_preemptions(meta)
+    worker.start_kv_transfers(meta)
+    worker.prepare_store_kv(meta)
+    sending, recving = worker.get_finished(out.finished_req_ids)
+    return KVConnectorOutput(
+        finished_sending=sending or None,
+        finished_recving=recving or None,
+        kv_connector_worker_meta=worker.build_connector_worker_meta(),
+    )
+
+
 def build(job: dict[str, Any]) -> tuple[Scheduler, Any, list[Any]]:
+    offload = job.get("offload")
+    extra: dict[str, Any] = {}
+    if offload:
+        from vllm.config import KVTransferConfig
+
+        extra["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config=dict(offload),
+        )
     args = EngineArgs(
         model=job["model_dir"],
         enable_prefix_caching=True,
@@ -93,6 +173,7 @@ def build(job: dict[str, Any]) -> tuple[Scheduler, Any, list[Any]]:
         prefix_caching_hash_algo="sha256_cbor",
         num_gpu_blocks_override=job["num_blocks"],
         kv_events_config={"enable_kv_cache_events": True, "publisher": "null"},
+        **extra,
     )
     cfg = args.create_engine_config()
     specs = _layer_specs(cfg, job.get("layout", "full"), job["block_size"])
@@ -116,6 +197,7 @@ def build(job: dict[str, Any]) -> tuple[Scheduler, Any, list[Any]]:
     hasher = kv_cache_utils.get_request_block_hasher(hash_bs, hash_fn)
     published: list[Any] = []
     sched.kv_event_publisher.publish = published.append  # type: ignore[method-assign]
+    sched.offload_worker = _offload_worker(cfg, kv_config) if offload else None  # type: ignore[attr-defined]
     return sched, hasher, published
 
 
@@ -132,8 +214,64 @@ def _rows(batches: list[Any]) -> list[list[Any]]:
     return rows
 
 
+def _step(sched: Scheduler, token: int, split: dict[str, tuple[int, int]]) -> Any:
+    """One engine step: schedule, canned model output (+ the connector's worker side).
+    ``split``: request id -> (GPU, CPU) hit tokens, from its first admission's stats."""
+    out = sched.schedule()
+    scheduled = out.num_scheduled_tokens
+    for r in scheduled:
+        stats = sched.requests[r].prefill_stats
+        if r not in split and stats is not None and stats.num_prompt_tokens:
+            split[r] = (stats.num_local_cached_tokens, stats.num_external_cached_tokens)
+    ids = list(scheduled)
+    sampled = [
+        [token] if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens else []
+        for r in ids
+    ]
+    runner = ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: j for j, r in enumerate(ids)},
+        sampled_token_ids=sampled,
+    )
+    worker = getattr(sched, "offload_worker", None)
+    if worker is not None:
+        runner.kv_connector_output = _worker_step(worker, out)
+    sched.update_from_output(out, runner)
+    return out
+
+
+def offload_rows(batches: list[Any]) -> list[list[Any]]:
+    """Rows with the medium, for the offload differential: per BlockStored event
+    ``["stored_events", medium, group, kind, window, len(token_ids), block_size]``, per
+    hash ``["stored" | "removed", medium, group, hash]``, other events ``[type]``."""
+    rows: list[list[Any]] = []
+    for batch in batches:
+        for ev in batch.events:
+            kind = type(ev).__name__
+            if kind == "BlockStored":
+                rows.append(
+                    [
+                        "stored_events",
+                        ev.medium,
+                        ev.group_idx,
+                        ev.kv_cache_spec_kind,
+                        ev.kv_cache_spec_sliding_window,
+                        len(ev.token_ids),
+                        ev.block_size,
+                    ]
+                )
+                rows += [["stored", ev.medium, ev.group_idx, h] for h in ev.block_hashes]
+            elif kind == "BlockRemoved":
+                rows += [["removed", ev.medium, ev.group_idx, h] for h in ev.block_hashes]
+            else:
+                rows.append([kind])
+    return rows
+
+
 def run(job: dict[str, Any]) -> dict[str, Any]:
     sched, hasher, published = build(job)
+    if job.get("offload"):
+        return _run_offload(job, sched, hasher, published)
     token = job["sampled_token"]
     results = []
     for i, spec in enumerate(job["requests"]):
@@ -184,5 +322,63 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _run_offload(job: dict[str, Any], sched: Scheduler, hasher: Any, published: list[Any]) -> dict:
+    """Requests one after another, each run until the connector has nothing left to do
+    (its last chunks stored, their copies reported), as the server differential waits."""
+    token = job["sampled_token"]
+    results = []
+    split: dict[str, tuple[int, int]] = {}
+    for i, spec in enumerate(job["requests"]):
+        if spec.get("reset"):
+            assert sched.reset_prefix_cache(reset_connector=spec["reset"] == "external")
+            continue
+        req = Request(
+            f"r{i}",
+            spec["prompt_token_ids"],
+            SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=True),
+            None,
+            block_hasher=hasher,
+        )
+        sched.add_request(req)
+        for _ in range(MAX_STEPS_PER_REQUEST):
+            _step(sched, token, split)
+            if req.is_finished():
+                break
+        else:
+            raise RuntimeError(f"request {i} did not finish in {MAX_STEPS_PER_REQUEST} steps")
+        for _ in range(64):
+            _step(sched, token, split)
+            if not sched.connector.has_pending_push_work():
+                break
+        _step(sched, token, split)  # events of the last step are taken at the next one
+        gpu, cpu = split[req.request_id]
+        results.append(
+            {
+                "cached": gpu + cpu,
+                "cpu": cpu,
+                "preemptions": req.num_preemptions,
+                "events": offload_rows(published),
+            }
+        )
+        published.clear()
+    manager = sched.connector.connector_scheduler.manager
+    return {
+        "version": vllm.__version__,
+        "block_size": sched.block_size,
+        "hash_block_size": sched.hash_block_size,
+        "num_chunks": manager._num_chunks,
+        "results": results,
+    }
+
+
+def main() -> None:
+    """One job, or ``{"jobs": [...]}``: several in one process (vLLM imports once)."""
+    job = json.load(sys.stdin)
+    if "jobs" in job:
+        print(json.dumps({"results": [run(j) for j in job["jobs"]]}))
+    else:
+        print(json.dumps(run(job)))
+
+
 if __name__ == "__main__":
-    print(json.dumps(run(json.load(sys.stdin))))
+    main()

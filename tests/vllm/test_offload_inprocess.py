@@ -1,0 +1,266 @@
+"""CPU-tier differential in process: our engine against vLLM's own ``OffloadingConnector``,
+0.33 (what GPU fleets run) and 0.32 (the CPU build), no server.
+
+Why: the server differential (``test_offload_differential.py``) can only run 0.32, whose
+LRU ranks, null-block rule, placeholders and restart rule differ from 0.33's
+(docs/vllm-0.32-vs-0.33.md rows 16-22). The connector's scheduler side and its
+``CPUOffloadingManager`` are plain Python, so ``sched/driver.py`` runs them beside vLLM's
+``Scheduler`` with canned model outputs (0.33's sources over the 0.32 venv, as
+``test_scheduler_inprocess.py`` does), its worker side over a worker that copies nothing.
+The same stream goes to our ``EngineCore`` with ``vllm_version`` set to the same release.
+Per request: the same (GPU, CPU) split of the hit, and the same multiset of
+(type, medium, group, hash) event entries so far, CPU stores and removals included, and
+the same shape of every BlockStored (kind, window, tokens, block size).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import subprocess
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import REPO
+from simkit import sim_engine
+from test_offload_differential import stream as offload_stream
+from workload import FORCED_TOKEN
+
+from engine_adapter.offload import OffloadConfig
+from engine_adapter.profiles import get_profile
+from engine_adapter.sim.core import EngineCore
+from engine_adapter.vllm_cpu import server_env
+from events.structs import BlockRemoved, BlockStored, KVEventBatch
+
+pytestmark = pytest.mark.vllm
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).resolve().parent / "sched"
+
+
+@dataclass(frozen=True)
+class Case:
+    layout: str  # the driver's layer set (driver.py: _layer_specs)
+    profile: str  # the same layout for our engine
+    block_size: int
+    budget: int
+    num_blocks: int
+    max_model_len: int
+    blocks_per_chunk: int
+    policy: str
+    self_describing: bool
+    cpu_chunks: int  # target; vLLM's own num_chunks is read back
+    kv_bytes_per_block: int  # vLLM's per block: sizes cpu_bytes_to_use for ``cpu_chunks``
+    doc_len: tuple[int, int]
+    n: int
+
+
+CASES = {
+    # vLLM's defaults (1 block per chunk, LRU, placeholders) on a tier smaller than one
+    # prompt: a running request evicts its own chunks -- 0.32 its
+    # head first (insertion order), 0.33 its tail first (the request's provisional rank).
+    "llama-bpc1-lru-tiny": Case(
+        "full", "full", 32, 32, 24, 736, 1, "lru", False, 6, 16384, (150, 330), 24
+    ),
+    "llama-bpc2-lru-selfdesc": Case(
+        "full", "full", 32, 256, 24, 736, 2, "lru", True, 20, 16384, (150, 330), 36
+    ),
+    "llama-bpc2-arc": Case(
+        "full", "full", 32, 256, 24, 736, 2, "arc", False, 20, 16384, (150, 330), 36
+    ),
+    # Five window-64 groups + full at block 32, two blocks per chunk: window chunks with
+    # a skipped (null) block (row 19); self-describing placeholders (row 20).
+    "gemma3-bpc2-lru-selfdesc": Case(
+        "swa", "swa:64*5,full", 32, 64, 400, 1024, 2, "lru", True, 60, 16384, (250, 600), 30
+    ),
+}
+# ARC is the same code in both releases; the 0.32 run checks the driver against the
+# server differential's oracle and row 16 from the other side.
+RUNS = [("0.33", name) for name in CASES] + [("0.32", "llama-bpc1-lru-tiny")]
+
+
+@pytest.fixture(scope="module")
+def vllm033_src() -> Path:
+    out = subprocess.run(
+        ["bash", str(HERE / "install_vllm033.sh")],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=True,
+    )
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def _requests(case: Case) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for step in offload_stream(7, case.n, case.doc_len, case.max_model_len):
+        if step.kind.startswith("reset"):
+            out.append({"reset": "external" if step.kind == "reset_external" else "gpu"})
+        else:
+            out.append({"prompt_token_ids": list(step.prompt.encode()), "max_tokens": 2})
+    return out
+
+
+def _job(model_dir: Path, case: Case) -> dict[str, Any]:
+    per_chunk = -(-case.kv_bytes_per_block * case.blocks_per_chunk // 4096) * 4096
+    return {
+        "model_dir": str(model_dir),
+        "layout": case.layout,
+        "block_size": case.block_size,
+        "budget": case.budget,
+        "num_blocks": case.num_blocks,
+        "max_model_len": case.max_model_len,
+        "sampled_token": FORCED_TOKEN,
+        "requests": _requests(case),
+        "offload": {
+            "cpu_bytes_to_use": case.cpu_chunks * per_chunk,
+            "blocks_per_chunk": case.blocks_per_chunk,
+            "eviction_policy": case.policy,
+            "self_describing_kv_events": case.self_describing,
+        },
+    }
+
+
+def _run_vllm(python: Path, jobs: list[dict[str, Any]], src: Path | None) -> list[dict[str, Any]]:
+    """All jobs in one driver process."""
+    env = server_env()
+    if src is not None:
+        env.update(PYTHONPATH=str(src), VLLM_TARGET_DEVICE="cpu")
+    proc = subprocess.run(
+        [str(python), str(HERE / "driver.py")],
+        input=json.dumps({"jobs": jobs}),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=REPO,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["results"]
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(vllm_python: Path, vllm_models: Path, request: Any) -> dict[tuple[str, str], Any]:
+    """vLLM's results for every run, one driver process per version."""
+    out: dict[tuple[str, str], Any] = {}
+    for version in ("0.33", "0.32"):
+        names = [n for v, n in RUNS if v == version]
+        src = request.getfixturevalue("vllm033_src") if version == "0.33" else None
+        jobs = [_job(vllm_models / "llama", CASES[n]) for n in names]
+        results = _run_vllm(vllm_python, jobs, src)
+        out.update(zip([(version, n) for n in names], results, strict=True))
+    return out
+
+
+def tally(batches: list[KVEventBatch]) -> Counter[tuple[Any, ...]]:
+    """The driver's ``offload_rows`` of our events, counted."""
+    out: Counter[tuple[Any, ...]] = Counter()
+    for batch in batches:
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                out[
+                    (
+                        "stored_events",
+                        ev.medium,
+                        ev.group_idx,
+                        ev.kv_cache_spec_kind,
+                        ev.kv_cache_spec_sliding_window,
+                        len(ev.token_ids),
+                        ev.block_size,
+                    )
+                ] += 1
+                out.update(("stored", ev.medium, ev.group_idx, h) for h in ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                out.update(("removed", ev.medium, ev.group_idx, h) for h in ev.block_hashes)
+            else:
+                out[(type(ev).__name__,)] += 1
+    return out
+
+
+async def _run_ours(
+    case: Case, version: str, num_chunks: int, requests: list[dict[str, Any]]
+) -> list[tuple[int, int, Counter[tuple[Any, ...]]]]:
+    core: EngineCore
+    core, cap = sim_engine(
+        get_profile(case.layout, layout=case.profile, block_size=case.block_size, page_bytes=64),
+        case.num_blocks,
+        case.budget,
+        case.max_model_len,
+        offload=OffloadConfig(
+            num_chunks,
+            blocks_per_chunk=case.blocks_per_chunk,
+            policy=case.policy,
+            self_describing=case.self_describing,
+            vllm_version=version,
+        ),
+    )
+    await core.start()
+    rows = []
+    try:
+        for i, spec in enumerate(requests):
+            if "reset" in spec:
+                assert core.reset_prefix_cache(spec["reset"] == "external")
+                continue
+            gpu = cpu = 0
+            async for out in core.submit(
+                f"r{i}", spec["prompt_token_ids"], spec["max_tokens"], forced_token=FORCED_TOKEN
+            ):
+                gpu, cpu = out.gpu_hit_tokens, out.cpu_hit_tokens
+            deadline = time.monotonic() + 10
+            while core.kv.has_pending_work and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)  # copies in flight: their events come as it steps
+            rows.append((gpu, cpu, tally(cap.batches)))
+    finally:
+        await core.stop()
+    return rows
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("version", "name"), RUNS, ids=[f"{v}-{n}" for v, n in RUNS])
+async def test_cpu_tier_matches_vllm_connector_in_process(
+    version: str, name: str, vllm_runs: dict[tuple[str, str], Any]
+) -> None:
+    case = CASES[name]
+    requests = _requests(case)
+    got = vllm_runs[(version, name)]
+    assert got["version"].startswith(version), got["version"]
+    assert got["block_size"] == case.block_size
+    ours = await _run_ours(case, version, got["num_chunks"], requests)
+    theirs: Counter[tuple[Any, ...]] = Counter()
+    equal = 0
+    for i, (res, (gpu, cpu, tallied)) in enumerate(zip(got["results"], ours, strict=True)):
+        theirs.update(tuple(r) for r in res["events"])
+        v_split = (res["cached"] - res["cpu"], res["cpu"])
+        same = +theirs == +tallied
+        equal += v_split == (gpu, cpu) and same
+        if v_split != (gpu, cpu) or not same:
+            log.error(
+                "request %d: vLLM %s split %s, ours %s; vLLM-only %s; ours-only %s",
+                i,
+                version,
+                v_split,
+                (gpu, cpu),
+                dict(theirs - tallied),
+                dict(tallied - theirs),
+            )
+    n = len(got["results"])
+    cpu_hits = sum(r["cpu"] > 0 for r in got["results"])
+    log.info(
+        "vLLM %s %s: equal %d/%d (split and events), %d chunks, CPU hits on %d",
+        got["version"],
+        name,
+        equal,
+        n,
+        got["num_chunks"],
+        cpu_hits,
+    )
+    assert equal == n
+    # The stream must exercise what it claims: CPU hits and CPU evictions.
+    assert cpu_hits > 0
+    assert any(k[0] == "removed" and k[1] == "CPU" for k in theirs)
