@@ -39,17 +39,14 @@ def sweep(num_blocks: int = 512, repeats: int = 9) -> dict[str, Any]:
         for page in PAGE_BYTES:
             for k in BLOCKS_PER_CHUNK:
                 t0 = time.perf_counter()
-                r = bench_copies(
-                    profile=profile,
-                    page_bytes=page,
-                    num_blocks=num_blocks,
-                    blocks_per_chunk=k,
-                    repeats=repeats,
-                    device=dev,
-                )
-                cells.append({"profile": profile, "page_bytes": page, "blocks_per_chunk": k, **r})
-                logger.info("%s page=%d k=%d done in %.1fs", profile, page, k,
-                            time.perf_counter() - t0)  # fmt: skip
+                cell: dict[str, Any] = {
+                    "profile": profile,
+                    "page_bytes": page,
+                    "blocks_per_chunk": k,
+                }
+                r = bench_copies(**cell, num_blocks=num_blocks, repeats=repeats, device=dev)
+                cells.append({**cell, **r})
+                logger.info("%s done in %.1fs", cell, time.perf_counter() - t0)
                 torch.cuda.empty_cache()
     return {
         "gpu": torch.cuda.get_device_name(dev),

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from harness import MODEL_NAMES, EventRecorder, VllmServer, ensure_models
 from harness import vllm_python as find_vllm_python
+from schedkit import vllm033_sources
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,12 @@ def vllm_python() -> Path:
 def vllm_models(vllm_python: Path) -> Path:
     """Dir with ``gemma3``, ``qwen3next``, ``llama`` (made once per make_models.py)."""
     return ensure_models(python=vllm_python)
+
+
+@pytest.fixture(scope="session")
+def vllm033_src() -> Path:
+    """0.33's Python sources, for vLLM's scheduler driven in process (``schedkit``)."""
+    return vllm033_sources()
 
 
 @pytest.fixture

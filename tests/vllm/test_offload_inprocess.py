@@ -16,9 +16,7 @@ the same shape of every BlockStored (kind, window, tokens, block size).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import subprocess
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -26,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import REPO
+from schedkit import offload_rows, run_driver
 from simkit import sim_engine
 from test_offload_differential import stream as offload_stream
 from workload import FORCED_TOKEN
@@ -34,13 +32,10 @@ from workload import FORCED_TOKEN
 from engine_adapter.offload import OffloadConfig
 from engine_adapter.profiles import get_profile
 from engine_adapter.sim.core import EngineCore
-from engine_adapter.vllm_cpu import server_env
-from events.structs import BlockRemoved, BlockStored, KVEventBatch
+from events.structs import KVEventBatch
 
 pytestmark = pytest.mark.vllm
 log = logging.getLogger(__name__)
-
-HERE = Path(__file__).resolve().parent / "sched"
 
 
 @dataclass(frozen=True)
@@ -84,18 +79,6 @@ CASES = {
 RUNS = [("0.33", name) for name in CASES] + [("0.32", "llama-bpc1-lru-tiny")]
 
 
-@pytest.fixture(scope="module")
-def vllm033_src() -> Path:
-    out = subprocess.run(
-        ["bash", str(HERE / "install_vllm033.sh")],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        check=True,
-    )
-    return Path(out.stdout.strip().splitlines()[-1])
-
-
 def _requests(case: Case) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for step in offload_stream(7, case.n, case.doc_len, case.max_model_len):
@@ -128,21 +111,7 @@ def _job(model_dir: Path, case: Case) -> dict[str, Any]:
 
 def _run_vllm(python: Path, jobs: list[dict[str, Any]], src: Path | None) -> list[dict[str, Any]]:
     """All jobs in one driver process."""
-    env = server_env()
-    if src is not None:
-        env.update(PYTHONPATH=str(src), VLLM_TARGET_DEVICE="cpu")
-    proc = subprocess.run(
-        [str(python), str(HERE / "driver.py")],
-        input=json.dumps({"jobs": jobs}),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=REPO,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])["results"]
+    return run_driver(python, {"jobs": jobs}, src, timeout=600)["results"]
 
 
 @pytest.fixture(scope="module")
@@ -160,27 +129,7 @@ def vllm_runs(vllm_python: Path, vllm_models: Path, request: Any) -> dict[tuple[
 
 def tally(batches: list[KVEventBatch]) -> Counter[tuple[Any, ...]]:
     """The driver's ``offload_rows`` of our events, counted."""
-    out: Counter[tuple[Any, ...]] = Counter()
-    for batch in batches:
-        for ev in batch.events:
-            if isinstance(ev, BlockStored):
-                out[
-                    (
-                        "stored_events",
-                        ev.medium,
-                        ev.group_idx,
-                        ev.kv_cache_spec_kind,
-                        ev.kv_cache_spec_sliding_window,
-                        len(ev.token_ids),
-                        ev.block_size,
-                    )
-                ] += 1
-                out.update(("stored", ev.medium, ev.group_idx, h) for h in ev.block_hashes)
-            elif isinstance(ev, BlockRemoved):
-                out.update(("removed", ev.medium, ev.group_idx, h) for h in ev.block_hashes)
-            else:
-                out[(type(ev).__name__,)] += 1
-    return out
+    return Counter(tuple(r) for r in offload_rows(list(batches)))
 
 
 async def _run_ours(

@@ -12,28 +12,24 @@ same multiset of stored / removed (group, hash) entries so far.
 
 from __future__ import annotations
 
-import json
 import logging
-import subprocess
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import REPO
+from schedkit import run_driver
 from simkit import sim_engine
 from workload import FORCED_TOKEN, mixed_stream, next_messages, record_reply
 
 from engine_adapter.profiles import get_profile
-from engine_adapter.vllm_cpu import server_env
 from events.structs import BlockRemoved, BlockStored, KVEventBatch
 from events.tokenizer import ByteTokenizer, apply_chat_template
 
 pytestmark = pytest.mark.vllm
 log = logging.getLogger(__name__)
 
-HERE = Path(__file__).resolve().parent / "sched"
 MAX_MODEL_LEN = 2048
 
 
@@ -61,19 +57,6 @@ CASES = {
 RUNS = [("0.33", name) for name in CASES] + [("0.32", "llama-2048")]
 
 
-@pytest.fixture(scope="module")
-def vllm033_src() -> Path:
-    """0.33's Python sources (downloaded once, ~340 MB wheel, cached)."""
-    out = subprocess.run(
-        ["bash", str(HERE / "install_vllm033.sh")],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        check=True,
-    )
-    return Path(out.stdout.strip().splitlines()[-1])
-
-
 def _stream(n: int) -> list[tuple[list[int], int]]:
     tok = ByteTokenizer()
     chats: dict[int, list[dict[str, str]]] = {}
@@ -89,8 +72,11 @@ def _stream(n: int) -> list[tuple[list[int], int]]:
     return out
 
 
-def _run_vllm(python: Path, model_dir: Path, case: Case, stream: Any, src: Path | None) -> dict:
-    job = {
+STREAM = _stream(40)
+
+
+def _job(model_dir: Path, case: Case) -> dict[str, Any]:
+    return {
         "model_dir": str(model_dir),
         "layout": case.layout,
         "block_size": case.block_size,
@@ -98,23 +84,22 @@ def _run_vllm(python: Path, model_dir: Path, case: Case, stream: Any, src: Path 
         "num_blocks": case.num_blocks,
         "max_model_len": MAX_MODEL_LEN,
         "sampled_token": FORCED_TOKEN,
-        "requests": [{"prompt_token_ids": ids, "max_tokens": m} for ids, m in stream],
+        "requests": [{"prompt_token_ids": ids, "max_tokens": m} for ids, m in STREAM],
     }
-    env = server_env()
-    if src is not None:
-        env.update(PYTHONPATH=str(src), VLLM_TARGET_DEVICE="cpu")
-    proc = subprocess.run(
-        [str(python), str(HERE / "driver.py")],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-        cwd=REPO,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(vllm_python: Path, vllm_models: Path, request: Any) -> dict[tuple[str, str], Any]:
+    """vLLM's results for every run, one driver process per version (vLLM imports once).
+    The model dir only feeds vLLM's config (no weights run); the layers are the driver's."""
+    out: dict[tuple[str, str], Any] = {}
+    for version in ("0.33", "0.32"):
+        names = [n for v, n in RUNS if v == version]
+        src = request.getfixturevalue("vllm033_src") if version == "0.33" else None
+        jobs = [_job(vllm_models / "llama", CASES[n]) for n in names]
+        results = run_driver(vllm_python, {"jobs": jobs}, src, timeout=1500)["results"]
+        out.update(zip([(version, n) for n in names], results, strict=True))
+    return out
 
 
 def _tally(batches: list[KVEventBatch]) -> Counter[tuple[Any, ...]]:
@@ -156,13 +141,11 @@ async def _run_ours(case: Case, stream: Any) -> list[tuple[int, Counter[tuple[An
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize(("version", "name"), RUNS, ids=[f"{v}-{n}" for v, n in RUNS])
 async def test_engine_matches_vllm_scheduler_in_process(
-    version: str, name: str, vllm_python: Path, vllm_models: Path, request: Any
+    version: str, name: str, vllm_runs: dict[tuple[str, str], Any]
 ) -> None:
     case = CASES[name]
-    src = request.getfixturevalue("vllm033_src") if version == "0.33" else None
-    stream = _stream(40)
-    # The model dir only feeds vLLM's config (no weights run); the layers are the driver's.
-    got = _run_vllm(vllm_python, vllm_models / "llama", case, stream, src)
+    stream = STREAM
+    got = vllm_runs[(version, name)]
     assert got["version"].startswith(version), got["version"]
     assert got["block_size"] == case.block_size
     ours = await _run_ours(case, stream)

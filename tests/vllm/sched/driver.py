@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import vllm
+from rows import offload_rows  # this script's folder is on sys.path
 from vllm.engine.arg_utils import EngineArgs
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
@@ -240,32 +241,17 @@ def _step(sched: Scheduler, token: int, split: dict[str, tuple[int, int]]) -> An
     return out
 
 
-def offload_rows(batches: list[Any]) -> list[list[Any]]:
-    """Rows with the medium, for the offload differential: per BlockStored event
-    ``["stored_events", medium, group, kind, window, len(token_ids), block_size]``, per
-    hash ``["stored" | "removed", medium, group, hash]``, other events ``[type]``."""
-    rows: list[list[Any]] = []
-    for batch in batches:
-        for ev in batch.events:
-            kind = type(ev).__name__
-            if kind == "BlockStored":
-                rows.append(
-                    [
-                        "stored_events",
-                        ev.medium,
-                        ev.group_idx,
-                        ev.kv_cache_spec_kind,
-                        ev.kv_cache_spec_sliding_window,
-                        len(ev.token_ids),
-                        ev.block_size,
-                    ]
-                )
-                rows += [["stored", ev.medium, ev.group_idx, h] for h in ev.block_hashes]
-            elif kind == "BlockRemoved":
-                rows += [["removed", ev.medium, ev.group_idx, h] for h in ev.block_hashes]
-            else:
-                rows.append([kind])
-    return rows
+def _add_request(sched: Any, request_id: str, spec: dict[str, Any], hasher: Any) -> Any:
+    """A ``Request`` for ``spec`` (prompt ids, max tokens; EOS ignored), added to ``sched``."""
+    req = Request(
+        request_id,
+        spec["prompt_token_ids"],
+        SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=True),
+        None,
+        block_hasher=hasher,
+    )
+    sched.add_request(req)
+    return req
 
 
 def run(job: dict[str, Any]) -> dict[str, Any]:
@@ -275,14 +261,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     token = job["sampled_token"]
     results = []
     for i, spec in enumerate(job["requests"]):
-        req = Request(
-            f"r{i}",
-            spec["prompt_token_ids"],
-            SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=True),
-            None,
-            block_hasher=hasher,
-        )
-        sched.add_request(req)
+        req = _add_request(sched, f"r{i}", spec, hasher)
         cached = None
         for _ in range(MAX_STEPS_PER_REQUEST):
             out = sched.schedule()
@@ -332,14 +311,7 @@ def _run_offload(job: dict[str, Any], sched: Scheduler, hasher: Any, published: 
         if spec.get("reset"):
             assert sched.reset_prefix_cache(reset_connector=spec["reset"] == "external")
             continue
-        req = Request(
-            f"r{i}",
-            spec["prompt_token_ids"],
-            SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=True),
-            None,
-            block_hasher=hasher,
-        )
-        sched.add_request(req)
+        req = _add_request(sched, f"r{i}", spec, hasher)
         for _ in range(MAX_STEPS_PER_REQUEST):
             _step(sched, token, split)
             if req.is_finished():
