@@ -7,8 +7,10 @@ import both.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from engine_adapter.kv_cache_manager import KVCacheManager
@@ -18,7 +20,14 @@ from engine_adapter.sim.timing import TimingModel
 from events.publisher import NullEventPublisher
 from events.structs import BlockRemoved, BlockStored, KVEventBatch
 
-__all__ = ["CapturePublisher", "DiffCell", "serve_cell", "sim_engine", "tally"]
+__all__ = [
+    "CapturePublisher",
+    "DiffCell",
+    "run_stream",
+    "serve_cell",
+    "sim_engine",
+    "tally",
+]
 
 
 class CapturePublisher(NullEventPublisher):
@@ -102,3 +111,34 @@ def tally(
             else:
                 out[(type(ev).__name__,)] += 1
     return out
+
+
+async def run_stream(
+    core: EngineCore,
+    captured: CapturePublisher,
+    requests: Sequence[dict[str, Any]],
+    count: Callable[[list[KVEventBatch]], Counter[tuple[Any, ...]]],
+    forced_token: int,
+) -> list[tuple[int, int, Counter[tuple[Any, ...]]]]:
+    """Starts ``core``, runs each request to its end, one at a time, and stops it. Per
+    request (GPU hit, CPU hit, ``count`` of everything published so far), once its CPU
+    copies have landed (their events come as the engine steps). A ``{"reset": "gpu" |
+    "external"}`` entry resets the prefix cache instead and adds no row."""
+    await core.start()
+    rows = []
+    try:
+        for i, spec in enumerate(requests):
+            if "reset" in spec:
+                assert core.reset_prefix_cache(spec["reset"] == "external")
+                continue
+            gpu = cpu = -1
+            ids, max_tokens = spec["prompt_token_ids"], spec["max_tokens"]
+            async for out in core.submit(f"r{i}", ids, max_tokens, forced_token=forced_token):
+                gpu, cpu = out.gpu_hit_tokens, out.cpu_hit_tokens
+            deadline = time.monotonic() + 10
+            while core.kv.has_pending_work and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            rows.append((gpu, cpu, count(captured.batches)))
+    finally:
+        await core.stop()
+    return rows

@@ -15,9 +15,7 @@ the same shape of every BlockStored (kind, window, tokens, block size).
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +23,7 @@ from typing import Any
 
 import pytest
 from schedkit import offload_rows, run_driver
-from simkit import sim_engine
+from simkit import run_stream, sim_engine
 from test_offload_differential import stream as offload_stream
 from workload import FORCED_TOKEN
 
@@ -149,25 +147,7 @@ async def _run_ours(
             vllm_version=version,
         ),
     )
-    await core.start()
-    rows = []
-    try:
-        for i, spec in enumerate(requests):
-            if "reset" in spec:
-                assert core.reset_prefix_cache(spec["reset"] == "external")
-                continue
-            gpu = cpu = 0
-            async for out in core.submit(
-                f"r{i}", spec["prompt_token_ids"], spec["max_tokens"], forced_token=FORCED_TOKEN
-            ):
-                gpu, cpu = out.gpu_hit_tokens, out.cpu_hit_tokens
-            deadline = time.monotonic() + 10
-            while core.kv.has_pending_work and time.monotonic() < deadline:
-                await asyncio.sleep(0.005)  # copies in flight: their events come as it steps
-            rows.append((gpu, cpu, tally(cap.batches)))
-    finally:
-        await core.stop()
-    return rows
+    return await run_stream(core, cap, requests, tally, FORCED_TOKEN)
 
 
 @pytest.mark.timeout(900)

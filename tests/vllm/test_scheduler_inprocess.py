@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from schedkit import run_driver
-from simkit import sim_engine
+from simkit import run_stream, sim_engine
 from workload import FORCED_TOKEN, mixed_stream, next_messages, record_reply
 
 from engine_adapter.profiles import get_profile
@@ -116,26 +116,18 @@ def _tally(batches: list[KVEventBatch]) -> Counter[tuple[Any, ...]]:
     return out
 
 
-async def _run_ours(case: Case, stream: Any) -> list[tuple[int, Counter[tuple[Any, ...]]]]:
-    budget = case.budget
+async def _run_ours(case: Case) -> list[tuple[int, Counter[tuple[Any, ...]]]]:
+    """Our engine on ``STREAM``: per request (cached tokens, events so far)."""
     core, cap = sim_engine(
         get_profile(case.layout, layout=case.profile, block_size=case.block_size),
         case.num_blocks,
-        budget,
+        case.budget,
         MAX_MODEL_LEN,
         allocate_kv=False,
     )
-    await core.start()
-    rows = []
-    try:
-        for i, (ids, max_tokens) in enumerate(stream):
-            cached = -1
-            async for out in core.submit(f"r{i}", ids, max_tokens, forced_token=FORCED_TOKEN):
-                cached = out.gpu_hit_tokens + out.cpu_hit_tokens
-            rows.append((cached, _tally(cap.batches)))
-    finally:
-        await core.stop()
-    return rows
+    requests = _job(Path(), case)["requests"]
+    rows = await run_stream(core, cap, requests, _tally, FORCED_TOKEN)
+    return [(gpu + cpu, counted) for gpu, cpu, counted in rows]
 
 
 @pytest.mark.timeout(1800)
@@ -148,7 +140,7 @@ async def test_engine_matches_vllm_scheduler_in_process(
     got = vllm_runs[(version, name)]
     assert got["version"].startswith(version), got["version"]
     assert got["block_size"] == case.block_size
-    ours = await _run_ours(case, stream)
+    ours = await _run_ours(case)
     theirs: Counter[tuple[Any, ...]] = Counter()
     equal_hits = equal_events = 0
     for i, (res, (cached, tally)) in enumerate(zip(got["results"], ours, strict=True)):
