@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import schedkit
 from harness import MODEL_NAMES, EventRecorder, VllmServer, ensure_models
 from harness import vllm_python as find_vllm_python
 from schedkit import vllm033_sources
@@ -67,6 +68,16 @@ def vllm_models(vllm_python: Path) -> Path:
 def vllm033_src() -> Path:
     """0.33's Python sources, for vLLM's scheduler driven in process (``schedkit``)."""
     return vllm033_sources()
+
+
+@pytest.fixture(scope="session")
+def driver_runs(
+    vllm_python: Path, vllm_models: Path, request: pytest.FixtureRequest
+) -> dict[tuple[str, str, str], Any]:
+    """vLLM's in-process results for every collected in-process suite (``schedkit``)."""
+    return schedkit.driver_runs(
+        vllm_python, vllm_models, lambda: request.getfixturevalue("vllm033_src")
+    )
 
 
 @pytest.fixture

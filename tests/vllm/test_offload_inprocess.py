@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from schedkit import offload_rows, run_driver
+from schedkit import driver_job, offload_rows, register_jobs
 from simkit import run_stream, sim_engine
 from test_offload_differential import stream as offload_stream
 from workload import FORCED_TOKEN
@@ -89,40 +89,20 @@ def _requests(case: Case) -> list[dict[str, Any]]:
 
 def _job(model_dir: Path, case: Case) -> dict[str, Any]:
     per_chunk = -(-case.kv_bytes_per_block * case.blocks_per_chunk // 4096) * 4096
-    return {
-        "model_dir": str(model_dir),
-        "layout": case.layout,
-        "block_size": case.block_size,
-        "budget": case.budget,
-        "num_blocks": case.num_blocks,
-        "max_model_len": case.max_model_len,
-        "sampled_token": FORCED_TOKEN,
-        "requests": _requests(case),
-        "offload": {
-            "cpu_bytes_to_use": case.cpu_chunks * per_chunk,
-            "blocks_per_chunk": case.blocks_per_chunk,
-            "eviction_policy": case.policy,
-            "self_describing_kv_events": case.self_describing,
-        },
+    offload = {
+        "cpu_bytes_to_use": case.cpu_chunks * per_chunk,
+        "blocks_per_chunk": case.blocks_per_chunk,
+        "eviction_policy": case.policy,
+        "self_describing_kv_events": case.self_describing,
     }
+    return driver_job(
+        model_dir, case, case.max_model_len, _requests(case), FORCED_TOKEN, offload=offload
+    )
 
 
-def _run_vllm(python: Path, jobs: list[dict[str, Any]], src: Path | None) -> list[dict[str, Any]]:
-    """All jobs in one driver process."""
-    return run_driver(python, {"jobs": jobs}, src, timeout=600)["results"]
-
-
-@pytest.fixture(scope="module")
-def vllm_runs(vllm_python: Path, vllm_models: Path, request: Any) -> dict[tuple[str, str], Any]:
-    """vLLM's results for every run, one driver process per version."""
-    out: dict[tuple[str, str], Any] = {}
-    for version in ("0.33", "0.32"):
-        names = [n for v, n in RUNS if v == version]
-        src = request.getfixturevalue("vllm033_src") if version == "0.33" else None
-        jobs = [_job(vllm_models / "llama", CASES[n]) for n in names]
-        results = _run_vllm(vllm_python, jobs, src)
-        out.update(zip([(version, n) for n in names], results, strict=True))
-    return out
+# vLLM's side runs in the session's driver processes (conftest ``driver_runs``); the model
+# dir only feeds vLLM's config (no weights run), the layers are the driver's.
+register_jobs("offload", lambda models: [(v, n, _job(models / "llama", CASES[n])) for v, n in RUNS])
 
 
 def tally(batches: list[KVEventBatch]) -> Counter[tuple[Any, ...]]:
@@ -153,11 +133,11 @@ async def _run_ours(
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("version", "name"), RUNS, ids=[f"{v}-{n}" for v, n in RUNS])
 async def test_cpu_tier_matches_vllm_connector_in_process(
-    version: str, name: str, vllm_runs: dict[tuple[str, str], Any]
+    version: str, name: str, driver_runs: dict[tuple[str, str, str], Any]
 ) -> None:
     case = CASES[name]
     requests = _requests(case)
-    got = vllm_runs[(version, name)]
+    got = driver_runs[("offload", version, name)]
     assert got["version"].startswith(version), got["version"]
     assert got["block_size"] == case.block_size
     ours = await _run_ours(case, version, got["num_chunks"], requests)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from schedkit import run_driver
+from schedkit import driver_job, register_jobs
 from simkit import run_stream, sim_engine
 from workload import FORCED_TOKEN, mixed_stream, next_messages, record_reply
 
@@ -75,31 +75,18 @@ def _stream(n: int) -> list[tuple[list[int], int]]:
 STREAM = _stream(40)
 
 
+REQUESTS = [{"prompt_token_ids": ids, "max_tokens": m} for ids, m in STREAM]
+
+
 def _job(model_dir: Path, case: Case) -> dict[str, Any]:
-    return {
-        "model_dir": str(model_dir),
-        "layout": case.layout,
-        "block_size": case.block_size,
-        "budget": case.budget,
-        "num_blocks": case.num_blocks,
-        "max_model_len": MAX_MODEL_LEN,
-        "sampled_token": FORCED_TOKEN,
-        "requests": [{"prompt_token_ids": ids, "max_tokens": m} for ids, m in STREAM],
-    }
+    return driver_job(model_dir, case, MAX_MODEL_LEN, REQUESTS, FORCED_TOKEN)
 
 
-@pytest.fixture(scope="module")
-def vllm_runs(vllm_python: Path, vllm_models: Path, request: Any) -> dict[tuple[str, str], Any]:
-    """vLLM's results for every run, one driver process per version (vLLM imports once).
-    The model dir only feeds vLLM's config (no weights run); the layers are the driver's."""
-    out: dict[tuple[str, str], Any] = {}
-    for version in ("0.33", "0.32"):
-        names = [n for v, n in RUNS if v == version]
-        src = request.getfixturevalue("vllm033_src") if version == "0.33" else None
-        jobs = [_job(vllm_models / "llama", CASES[n]) for n in names]
-        results = run_driver(vllm_python, {"jobs": jobs}, src, timeout=1500)["results"]
-        out.update(zip([(version, n) for n in names], results, strict=True))
-    return out
+# vLLM's side runs in the session's driver processes (conftest ``driver_runs``); the model
+# dir only feeds vLLM's config (no weights run), the layers are the driver's.
+register_jobs(
+    "scheduler", lambda models: [(v, n, _job(models / "llama", CASES[n])) for v, n in RUNS]
+)
 
 
 def _tally(batches: list[KVEventBatch]) -> Counter[tuple[Any, ...]]:
@@ -125,19 +112,18 @@ async def _run_ours(case: Case) -> list[tuple[int, Counter[tuple[Any, ...]]]]:
         MAX_MODEL_LEN,
         allocate_kv=False,
     )
-    requests = _job(Path(), case)["requests"]
-    rows = await run_stream(core, cap, requests, _tally, FORCED_TOKEN)
+    rows = await run_stream(core, cap, REQUESTS, _tally, FORCED_TOKEN)
     return [(gpu + cpu, counted) for gpu, cpu, counted in rows]
 
 
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize(("version", "name"), RUNS, ids=[f"{v}-{n}" for v, n in RUNS])
 async def test_engine_matches_vllm_scheduler_in_process(
-    version: str, name: str, vllm_runs: dict[tuple[str, str], Any]
+    version: str, name: str, driver_runs: dict[tuple[str, str, str], Any]
 ) -> None:
     case = CASES[name]
     stream = STREAM
-    got = vllm_runs[(version, name)]
+    got = driver_runs[("scheduler", version, name)]
     assert got["version"].startswith(version), got["version"]
     assert got["block_size"] == case.block_size
     ours = await _run_ours(case)
