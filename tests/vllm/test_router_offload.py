@@ -182,20 +182,8 @@ def _chunk_info(router: RouterUnderTest) -> dict[str, Any]:
     return r.json()["candidates"][0]["cpu_chunk"]
 
 
-# The qwen3next cell passed on its branch but was exact on 29 of 30 sequential requests once
-# on the integrated main (issue #29's closing note): known and open, so it must not hide the
-# other cells; it reports XPASS once fixed.
-_OPEN = {
-    "qwen3next-bpc1-configured": pytest.mark.xfail(
-        reason="29/30 exact once after the merges; open in issue #29", strict=False
-    )
-}
-
-
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=_OPEN[n]) if n in _OPEN else n for n in CELLS]
-)
+@pytest.mark.parametrize("name", list(CELLS))
 def test_router_is_exact_on_vllm_cpu_tier(name: str, vllm_server: Any, tmp_path: Any) -> None:
     cell = CELLS[name]
     offload = CpuOffload(
