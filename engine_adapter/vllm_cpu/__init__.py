@@ -63,7 +63,9 @@ class CpuOffload:
     blocks, each rounded up to the alignment), ``blocks_per_chunk`` 1, ``eviction_policy``
     ``"lru"`` (or ``"arc"``), ``self_describing_kv_events`` False (placeholder events).
     ``hold_polls`` is ours: the host worker reports each copy that many worker polls late,
-    so copies look in flight for a few engine steps (0: done within the step).
+    so copies look in flight for a few engine steps (0: done within the step);
+    ``hold_load_polls`` (ours too; None: ``hold_polls``) holds the loads alone, so a
+    request's siblings find its load in flight while its stores land within the step.
     """
 
     cpu_bytes_to_use: int
@@ -71,9 +73,15 @@ class CpuOffload:
     eviction_policy: str = "lru"
     self_describing_kv_events: bool = False
     hold_polls: int = 0
+    hold_load_polls: int | None = None
 
     def __post_init__(self) -> None:
-        if self.cpu_bytes_to_use <= 0 or self.blocks_per_chunk <= 0 or self.hold_polls < 0:
+        if (
+            self.cpu_bytes_to_use <= 0
+            or self.blocks_per_chunk <= 0
+            or self.hold_polls < 0
+            or (self.hold_load_polls or 0) < 0
+        ):
             raise ValueError(f"invalid CPU offload settings: {self}")
         if self.eviction_policy not in ("lru", "arc"):
             raise ValueError(
@@ -82,18 +90,21 @@ class CpuOffload:
 
     def kv_transfer_config(self) -> dict[str, Any]:
         """The ``--kv-transfer-config`` a user of a CUDA build would write, with our spec."""
+        extra: dict[str, Any] = {
+            "spec_name": OFFLOAD_SPEC_NAME,
+            "spec_module_path": OFFLOAD_SPEC_MODULE,
+            "cpu_bytes_to_use": self.cpu_bytes_to_use,
+            "blocks_per_chunk": self.blocks_per_chunk,
+            "eviction_policy": self.eviction_policy,
+            "self_describing_kv_events": self.self_describing_kv_events,
+            "kvroute_hold_polls": self.hold_polls,
+        }
+        if self.hold_load_polls is not None:
+            extra["kvroute_hold_load_polls"] = self.hold_load_polls
         return {
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "spec_name": OFFLOAD_SPEC_NAME,
-                "spec_module_path": OFFLOAD_SPEC_MODULE,
-                "cpu_bytes_to_use": self.cpu_bytes_to_use,
-                "blocks_per_chunk": self.blocks_per_chunk,
-                "eviction_policy": self.eviction_policy,
-                "self_describing_kv_events": self.self_describing_kv_events,
-                "kvroute_hold_polls": self.hold_polls,
-            },
+            "kv_connector_extra_config": extra,
         }
 
 

@@ -20,7 +20,9 @@ the first chunk on the chunk side, find each page's address with vLLM's own
 ``ctypes.memmove`` between host tensors, done at submission. Completed jobs are reported
 from ``get_finished()`` in submission order per direction, as the CUDA handler's event
 queue does. ``kvroute_hold_polls`` (extra config, default 0) holds each result back for
-that many ``get_finished()`` calls, so a copy looks in flight for a few engine steps;
+that many ``get_finished()`` calls, so a copy looks in flight for a few engine steps
+(``kvroute_hold_load_polls``, default the same, holds the loads alone: a request's
+siblings then find its load in flight and vLLM defers them);
 ``wait()`` releases the held jobs it names (vLLM's flush path).
 """
 
@@ -53,6 +55,7 @@ __all__ = ["HostOffloadingWorker", "KvrouteHostOffloadingSpec"]
 logger = logging.getLogger("vllm.kvroute.offload_spec")
 
 HOLD_POLLS_KEY = "kvroute_hold_polls"
+HOLD_LOAD_POLLS_KEY = "kvroute_hold_load_polls"
 
 
 @dataclass
@@ -161,6 +164,7 @@ class HostOffloadingWorker(OffloadingWorker):
         blocks_per_chunk: int,
         num_cpu_chunks: int,
         hold_polls: int = 0,
+        hold_load_polls: int | None = None,
     ) -> None:
         gpu_tensors: list[torch.Tensor] = []
         cpu_tensors: list[torch.Tensor] = []
@@ -186,7 +190,12 @@ class HostOffloadingWorker(OffloadingWorker):
             gpu_tensors, cpu_tensors, blocks_per_chunk, refs, True, hold_polls
         )
         self._load = _HostDirection(
-            gpu_tensors, cpu_tensors, blocks_per_chunk, refs, False, hold_polls
+            gpu_tensors,
+            cpu_tensors,
+            blocks_per_chunk,
+            refs,
+            False,
+            hold_polls if hold_load_polls is None else hold_load_polls,
         )
 
     def submit_store(
@@ -230,5 +239,10 @@ class KvrouteHostOffloadingSpec(CPUOffloadingSpec):
                 blocks_per_chunk=self.blocks_per_chunk,
                 num_cpu_chunks=self.num_chunks,
                 hold_polls=int(self.extra_config.get(HOLD_POLLS_KEY, 0)),
+                hold_load_polls=(
+                    None
+                    if self.extra_config.get(HOLD_LOAD_POLLS_KEY) is None
+                    else int(self.extra_config[HOLD_LOAD_POLLS_KEY])
+                ),
             )
         return self._worker  # type: ignore[return-value]

@@ -32,6 +32,7 @@ from events.retention import retained_prompt_blocks
 from events.structs import KVEventBatch
 from router.decision.layout import InstanceLayout, LayoutRegistry
 from router.decision.prompt_hashes import PromptHashes
+from router.decision.score import Score
 from router.index.base import Residency
 from router.prediction.pressure import EvictionTracker
 from router.prediction.shared import SharedPredictions, merge_residency
@@ -40,7 +41,28 @@ from router.prediction.speculative import Held, SpeculativeResidency
 if TYPE_CHECKING:
     from router.decision.decide import RouteDecision
 
-__all__ = ["PredictOnRoute"]
+__all__ = ["PredictOnRoute", "retained_junction"]
+
+
+def retained_junction(score: Score) -> int:
+    """The shared-prefix junction whose sparse state (window tail, Mamba state) vLLM
+    will keep for a request scored ``score`` there, else its GPU hit (whose state is
+    there already: crediting it adds nothing).
+
+    vLLM sets the junction from its GPU lookup alone (``KVCacheManager.get_computed_blocks``:
+    the full-attention hit past the hybrid one, ``shared_prefix_boundary``), but a sparse
+    group keeps a state only where the request computes one
+    (``Scheduler._mamba_block_aligned_split`` stops a chunk at the junction only when
+    ``start < junction < end``; ``SingleTypeKVCacheManager.reachable_block_mask`` keeps
+    the blocks the request holds there). When its CPU tier loads past the junction
+    (``OffloadingConnectorScheduler.get_num_new_matched_tokens``), the request resumes
+    after it and holds no state there -- only at the loaded boundary, which is the
+    junction itself when they coincide. Scored under another layout (relayout: the
+    default, full attention alone) the GPU hit is that junction."""
+    resume = score.gpu_tokens + score.cpu_tokens
+    if score.junction_tokens and score.junction_tokens >= resume:
+        return score.junction_tokens
+    return score.gpu_tokens
 
 
 @dataclass(slots=True, eq=False)
@@ -163,10 +185,7 @@ class PredictOnRoute:
         if not hashes:
             return
         score = decision.scores.get(instance)
-        # Where the request resumes is where vLLM keeps a state for its siblings: the
-        # junction, else its hit (whose state is there already). Scored under another
-        # layout (relayout: the default, full attention alone), the hit is that junction.
-        junction = (score.junction_tokens or score.gpu_tokens) if score else 0
+        junction = retained_junction(score) if score else 0
         held = retained_prompt_blocks(
             layout.groups, decision.prompt_tokens, layout.hash_block_size, junction=junction
         )

@@ -12,6 +12,8 @@ from __future__ import annotations
 from events.groups import FullAttentionSpec, MambaSpec, SlidingWindowSpec, hit_rule
 from events.retention import retained_prompt_blocks
 from router.decision.layout import InstanceLayout, LayoutRegistry
+from router.decision.score import Score
+from router.prediction.predict import retained_junction
 from router.prediction.speculative import SpeculativeResidency
 
 BS = 32
@@ -50,6 +52,22 @@ def test_junction_retains_state_a_sibling_can_resume_from() -> None:
     assert held[0] == [4, 5, 10, 11]  # tails ending at 192 and at 384
     held_q = dict(retained_prompt_blocks(QWEN, 400, BS, junction=192))
     assert held_q[0] == [5, 11] and held_q[3] == list(range(12))
+
+
+def test_no_junction_state_where_the_cpu_tier_loads_past_the_junction() -> None:
+    # Full attention holds 128 tokens on GPU, the hybrid hit is 0 (no Mamba state there):
+    # junction 128. Served from GPU alone, the request computes through 128 and keeps a
+    # state there; with its CPU tier loading 0..512 it resumes at 512 and keeps none at
+    # 128 (a sibling branching at 128 then hits nothing there on GPU).
+    assert retained_junction(Score(0, 0, 128)) == 128
+    assert retained_junction(Score(0, 96, 128)) == 128  # loads to 96, computes through 128
+    assert retained_junction(Score(0, 128, 128)) == 128  # the loaded boundary is the junction
+    assert retained_junction(Score(0, 512, 128)) == 0
+    assert retained_junction(Score(256, 256, 384)) == 256  # the GPU hit: its state is there
+    held = dict(
+        retained_prompt_blocks(QWEN, 600, BS, junction=retained_junction(Score(0, 512, 128)))
+    )
+    assert held[0] == [17]  # only the state at the replay boundary (599 -> 576)
 
 
 def test_recorded_blocks_live_until_the_first_batch_after_the_answer() -> None:

@@ -71,6 +71,16 @@ logger = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parent.parent.parent
 LOOPBACK = "127.0.0.1"
 
+# vLLM flags every server of a tiny model gets, so that what it caches does not depend on
+# the machine. qwen3next: vLLM's CPU platform (``CpuPlatform.check_and_update_config``)
+# resets the SSM state cache to float32 on CPUs with AVX-512 BF16 unless the state is kept
+# in bf16 for its accelerated GDN backend; a float32 state doubles the Mamba page, and the
+# attention block grows to match it (``Platform._align_hybrid_block_size``): block 256
+# there, 128 elsewhere. Asking for bf16 state storage gives 128 on every machine.
+MODEL_ARGS: dict[str, tuple[str, ...]] = {
+    "qwen3next": ("--mamba-ssm-cache-dtype", "bfloat16"),
+}
+
 
 # ---- KV events config ----------------------------------------------------------------------
 
@@ -179,7 +189,7 @@ class VllmServer:
             max_model_len=max_model_len,
             host=LOOPBACK,
             cpu_offload=cpu_offload,
-            extra_args=extra_args,
+            extra_args=(*MODEL_ARGS.get(Path(model_dir).name, ()), *extra_args),
         )
         self._argv = argv
         self._launch()

@@ -15,7 +15,9 @@ Cells: one server per (model, blocks per chunk, policy, event mode, chunk budget
 covering subset rather than the cross product (each start costs ~30 s in CI). The stream
 has cold prompts, extensions, branches at and inside earlier prompts, repeats after the
 GPU pool evicted them (CPU hits), a CPU tier small enough to evict, and
-``POST /reset_prefix_cache`` with and without ``reset_external``.
+``POST /reset_prefix_cache`` with and without ``reset_external``. One cell holds copies in
+flight (the spec's ``kvroute_hold_polls``, our ``copy_delay_steps``) and ends with a burst
+of concurrent requests on a prefix only the CPU tier holds (see ``_burst``).
 """
 
 from __future__ import annotations
@@ -63,13 +65,19 @@ class Cell:
     kv_bytes_per_block: int  # to size cpu_bytes_to_use for ``cpu_chunks``
     doc_len: tuple[int, int]
     n: int
+    # Copies stay in flight this many worker polls (vLLM: the spec's ``kvroute_hold_polls``;
+    # ours: ``copy_delay_steps``), and the stream ends with a burst on a prefix only the
+    # CPU tier holds (``burst``: concurrent requests on chunks still being copied).
+    hold: int = 0
+    burst: int = 0
 
     @property
     def name(self) -> str:
         mode = "selfdesc" if self.self_describing else "placeholder"
+        held = f"-hold{self.hold}-burst{self.burst}" if self.hold or self.burst else ""
         return (
             f"{self.model}-bpc{self.blocks_per_chunk}-{self.policy}-{mode}-"
-            f"budget{self.chunk_budget}"
+            f"budget{self.chunk_budget}{held}"
         )
 
 
@@ -77,15 +85,34 @@ CELLS = [
     # Llama-like, block 32, budget == block size, vLLM's defaults (1 block/chunk, LRU,
     # placeholders); the CPU tier holds about two prompts.
     Cell("llama", "full", 32, 32, 24, 736, 32, 1, "lru", False, 48, 16384, (150, 330), 36),
-    # Two blocks per chunk, ARC, self-describing events, budget above the block size.
-    Cell("llama", "full", 32, 32, 24, 736, 256, 2, "arc", True, 24, 16384, (150, 330), 36),
-    # Gemma-3-like: five window-64 groups + full attention at block 32.
+    # Two blocks per chunk with vLLM's default placeholder events, ARC, budget above the
+    # block size; copies held in flight two polls, and a closing burst of three requests
+    # on a prefix only the CPU tier holds: the first loads it, the others wait for that
+    # load and hit it on GPU.
     Cell(
-        "gemma3", "swa:64*5,full", 32, 16, 96, 1024, 64, 1, "lru", True, 150, 4096, (250, 600), 30
+        "llama",
+        "full",
+        32,
+        32,
+        24,
+        736,
+        256,
+        2,
+        "arc",
+        False,
+        24,
+        16384,
+        (150, 330),
+        30,
+        hold=2,
+        burst=3,
     ),
-    # Qwen3-Next-like: three Mamba groups + full attention. With the connector on, vLLM
-    # 0.32 keeps attention blocks at 128 tokens here (the Mamba page is padded instead of
-    # the block enlarged to 256 as without it): "kv lcm block sizes 128".
+    # Gemma-3-like: five window-64 groups + full attention at block 32, budget == block
+    # size, two blocks per chunk, self-describing events (the full group's chunks name
+    # both block hashes; the window groups keep placeholders).
+    Cell("gemma3", "swa:64*5,full", 32, 16, 96, 1024, 32, 2, "lru", True, 75, 4096, (250, 600), 30),
+    # Qwen3-Next-like: three Mamba groups + full attention. Block 128 (the harness keeps
+    # the SSM state in bf16 on every machine, ``harness.MODEL_ARGS``).
     Cell(
         "qwen3next",
         "mamba*3,full",
@@ -199,6 +226,74 @@ async def _ours(core: EngineCore, rid: str, ids: list[int], max_tokens: int) -> 
     return gpu, cpu
 
 
+def _doc(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(ALPHABET) for _ in range(n))
+
+
+async def _burst(
+    cell: Cell,
+    server: VllmServer,
+    core: EngineCore,
+    rec: EventRecorder,
+    captured: Any,
+    sent: int,
+    rng: random.Random,
+) -> Row:
+    """A prefix stored on CPU, the GPU tier reset (vLLM's default reset keeps the CPU
+    tier), then ``cell.burst`` requests extending it sent together: the first looked up
+    loads it from the CPU tier; the others find its chunks being loaded -- vLLM defers
+    them (``OffloadingConnectorScheduler._lookup_complete_chunks``: "Delaying request
+    since some of its chunks are already being loaded") -- or, arriving later, loaded: they
+    hit it on GPU. The reset leaves the GPU pool free, so no eviction depends on when each
+    request arrives. Which request comes first is the scheduler's arrival order, so the
+    engines are compared on the sorted per-request hits, the burst's GPU / CPU split and
+    the events. Returns one row for the whole burst."""
+    prefix = _doc(rng, 300)
+    res = await asyncio.to_thread(server.complete, prefix, 1, **SAMPLING)
+    sent += res.prompt_tokens
+    await _ours(core, "prefix", list(prefix.encode()), 1)
+    want = tally(captured.batches)
+    await asyncio.to_thread(rec.wait_until, lambda recs: tally([r.batch for r in recs]) == want, 10)
+    assert await asyncio.to_thread(server.reset_prefix_cache, False)
+    assert core.reset_prefix_cache(False)
+    before = await asyncio.to_thread(server.wait_prompt_tokens, sent)
+    prompts = [prefix + _doc(rng, rng.randint(20, 60)) for _ in range(cell.burst)]
+    results = await asyncio.gather(
+        *(asyncio.to_thread(server.complete, p, 2, **SAMPLING) for p in prompts)
+    )
+    sent += sum(r.prompt_tokens for r in results)
+    after = await asyncio.to_thread(server.wait_prompt_tokens, sent)
+    v_split = (
+        after.get("local_cache_hit", 0) - before.get("local_cache_hit", 0),
+        after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0),
+    )
+    ours = await asyncio.gather(
+        *(_ours(core, f"burst{i}", list(p.encode()), 2) for i, p in enumerate(prompts))
+    )
+    o_split = (sum(g for g, _ in ours), sum(c for _, c in ours))
+    v_hits = sorted(r.cached_tokens for r in results)
+    o_hits = sorted(g + c for g, c in ours)
+    want = tally(captured.batches)
+    try:
+        await asyncio.to_thread(
+            rec.wait_until, lambda recs: tally([r.batch for r in recs]) == want, 10
+        )
+        same = True
+    except TimeoutError:
+        got = tally([r.batch for r in rec.batches()])
+        same = False
+        log.error("burst: events differ; vLLM-only %s; ours-only %s", got - want, want - got)
+    log.info(
+        "burst of %d: hits vLLM %s ours %s; split vLLM gpu %d cpu %d | ours gpu %d cpu %d",
+        cell.burst, v_hits, o_hits, *v_split, *o_split,
+    )  # fmt: skip
+    assert v_split[1] > 0, "the burst's prefix was not served from the CPU tier"
+    assert v_split[0] > 0, "no request of the burst hit the loaded prefix on GPU"
+    if v_hits != o_hits:
+        o_split = (-1, -1)  # a Row compares splits: make the difference count
+    return Row("burst", v_split, o_split, same, same)
+
+
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("cell", CELLS, ids=[c.name for c in CELLS])
 async def test_offload_tier_matches_vllm_connector_request_by_request(
@@ -214,6 +309,7 @@ async def test_offload_tier_matches_vllm_connector_request_by_request(
         blocks_per_chunk=cell.blocks_per_chunk,
         eviction_policy=cell.policy,
         self_describing_kv_events=cell.self_describing,
+        hold_polls=cell.hold,
     )
     server: VllmServer = await asyncio.to_thread(
         serve_cell, vllm_server, cell, cfg, cell.max_model_len,
@@ -233,6 +329,7 @@ async def test_offload_tier_matches_vllm_connector_request_by_request(
             blocks_per_chunk=cell.blocks_per_chunk,
             policy=cell.policy,
             self_describing=cell.self_describing,
+            copy_delay_steps=cell.hold,
             # The CPU build serves 0.32; its connector is what this suite checks.
             vllm_version="0.32",
         ),
@@ -293,6 +390,9 @@ async def test_offload_tier_matches_vllm_connector_request_by_request(
             )
             if not same:
                 break  # later requests would differ by construction
+        if cell.burst and len(rows) == sum(not s.kind.startswith("reset") for s in steps):
+            burst = await _burst(cell, server, core, rec, captured, sent, rng=random.Random(9))
+            rows.append(burst)
     finally:
         await core.stop()
     sizes = {e.block_size for e in rec.stored() if e.medium == "GPU"}
@@ -309,7 +409,7 @@ async def test_offload_tier_matches_vllm_connector_request_by_request(
         len(rows),
         cpu_removed,
     )
-    n_requests = sum(not s.kind.startswith("reset") for s in steps)
+    n_requests = sum(not s.kind.startswith("reset") for s in steps) + bool(cell.burst)
     assert len(rows) == n_requests, f"stopped at request {len(rows) - 1}: events differ"
     assert equal == len(rows), [r for r in rows if r.vllm != r.ours or not r.events_equal]
     # The stream must exercise what it claims: CPU hits and CPU evictions.

@@ -12,7 +12,11 @@ from self-describing events) or configured (``,kv_transfer_config=<JSON>``):
 1. a sequential stream revisiting documents the GPU has evicted (repeats, branches inside
    and at the end, extensions): predicted == ``cached_tokens`` on every request, and the
    GPU / CPU split equals vLLM's (``vllm:prompt_tokens_by_source_total`` deltas);
-2. bursts sharing a prefix only the CPU tier holds: >= 95% exact;
+2. bursts sharing a prefix only the CPU tier holds: >= 95% exact; in the llama cell the
+   loads stay in flight (the spec's ``kvroute_hold_load_polls``), so the burst's later
+   requests find the first one's load in flight: vLLM defers them (counted by
+   ``vllm:kv_offload_lookup_async_delay_seconds``) and reports the hit on GPU, which the
+   router predicted from the first request's record;
 3. ``POST /reset_prefix_cache`` (vLLM keeps its CPU tier): exact on the next requests; with
    ``reset_external=true`` (its CPU tier emptied too, the same single event) exact from
    the second request on;
@@ -51,12 +55,24 @@ class Cell:
     max_model_len: int = 1024
     block_size: int | None = None  # --block-size given to vLLM
     restart: bool = False
+    # Loads held in flight this many worker polls (the spec's kvroute_hold_load_polls):
+    # a burst's later requests find the first one's load in flight and vLLM defers them.
+    hold_load_polls: int | None = None
 
 
 CELLS = {
     # vLLM's own block size on CPU is 128 for llama: 32 makes a 40-block pool ~2 documents.
     "llama-bpc2-placeholder": Cell(
-        "llama", 2, False, False, 40, (400, 560), (2, 4), block_size=32, restart=True
+        "llama",
+        2,
+        False,
+        False,
+        40,
+        (400, 560),
+        (2, 4),
+        block_size=32,
+        restart=True,
+        hold_load_polls=300,  # ~0.5-1 ms a poll idle: 100 deferred only 2 of 12 siblings
     ),
     # --block-size 16 becomes 32; each of the five window groups needs blocks for its window
     # plus a chunk while a prompt runs, then keeps few: ~3 documents fit at rest.
@@ -175,6 +191,18 @@ def _report(name: str, phase: str, rows: list[Row]) -> tuple[int, int, int]:
     return exact, split, cpu
 
 
+def _deferred_lookups(server: Any) -> int:
+    """Requests vLLM deferred and looked up again (``vllm:kv_offload_lookup_async_delay_seconds``
+    count): the connector defers one whose hit needs a chunk still being copied."""
+    return int(
+        sum(
+            v
+            for k, v in server.metrics().items()
+            if k.startswith("vllm:kv_offload_lookup_async_delay_seconds_count")
+        )
+    )
+
+
 def _chunk_info(router: RouterUnderTest) -> dict[str, Any]:
     body = {"prompt": "x" * 64, "model": router.servers[0].served_model_name}
     r = httpx.post(f"{router.url}/debug/route", json=body, timeout=30)
@@ -182,26 +210,15 @@ def _chunk_info(router: RouterUnderTest) -> dict[str, Any]:
     return r.json()["candidates"][0]["cpu_chunk"]
 
 
-# The qwen3next cell passed on its branch but was exact on 29 of 30 sequential requests once
-# on the integrated main (issue #29's closing note): known and open, so it must not hide the
-# other cells; it reports XPASS once fixed.
-_OPEN = {
-    "qwen3next-bpc1-configured": pytest.mark.xfail(
-        reason="29/30 exact once after the merges; open in issue #29", strict=False
-    )
-}
-
-
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=_OPEN[n]) if n in _OPEN else n for n in CELLS]
-)
+@pytest.mark.parametrize("name", list(CELLS))
 def test_router_is_exact_on_vllm_cpu_tier(name: str, vllm_server: Any, tmp_path: Any) -> None:
     cell = CELLS[name]
     offload = CpuOffload(
         CPU_BYTES,
         blocks_per_chunk=cell.blocks_per_chunk,
         self_describing_kv_events=cell.self_describing,
+        hold_load_polls=cell.hold_load_polls,
     )
     cfg = bind_mode_config(f"offload-router-{name}", replay_port=free_port())
     server = vllm_server(
@@ -236,6 +253,7 @@ def test_router_is_exact_on_vllm_cpu_tier(name: str, vllm_server: Any, tmp_path:
         # 2. Bursts on a prefix only the CPU tier holds.
         rng = random.Random(5)
         burst_rows: list[Outcome] = []
+        deferred = _deferred_lookups(server)
         for _ in range(3):
             prefix = text(rng, min(cell.doc_len[1], cell.max_model_len - 130))
             for s in [Step("seed", prompt=prefix, max_tokens=1)] + [
@@ -255,6 +273,10 @@ def test_router_is_exact_on_vllm_cpu_tier(name: str, vllm_server: Any, tmp_path:
             if not r.exact:
                 log.warning("  burst: predicted %d, vLLM %d", r.predicted, r.cached)
         assert b_exact >= 0.95 * len(burst_rows)
+        waited = _deferred_lookups(server) - deferred
+        log.info("%s bursts: vLLM deferred %d lookups on chunks in flight", name, waited)
+        if cell.hold_load_polls:  # copies in flight: vLLM waited for them, predicted
+            assert waited > 0, "no request of a burst found its prefix's load in flight"
 
         # 3. vLLM's default reset empties the GPU only; CPU hits go on, predicted.
         assert server.reset_prefix_cache()
