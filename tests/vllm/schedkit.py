@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+import pytest
 from harness import REPO
 
 from engine_adapter.vllm_cpu import server_env
@@ -26,6 +27,7 @@ __all__ = [
     "driver_runs",
     "offload_rows",
     "register_jobs",
+    "release_params",
     "run_driver",
     "vllm033_sources",
 ]
@@ -110,6 +112,11 @@ def run_driver(python: Path, payload: dict[str, Any], src: Path | None, timeout:
 # more than the jobs.
 JobList = list[tuple[str, str, dict[str, Any]]]
 _SUITES: dict[str, Callable[[Path], JobList]] = {}
+
+
+def release_params(runs: list[tuple[str, str]]) -> pytest.MarkDecorator:
+    """Parametrises a test over ``(release, case name)`` runs, ids ``release-name``."""
+    return pytest.mark.parametrize(("version", "name"), runs, ids=[f"{v}-{n}" for v, n in runs])
 
 
 def register_jobs(suite: str, jobs: Callable[[Path], JobList]) -> None:

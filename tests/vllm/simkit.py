@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from engine_adapter.kv_cache_manager import KVCacheManager
+from engine_adapter.offload import OffloadConfig
 from engine_adapter.profiles import ModelProfile
 from engine_adapter.sim.core import EngineCore, SchedulerConfig
 from engine_adapter.sim.timing import TimingModel
@@ -23,6 +24,8 @@ from events.structs import BlockRemoved, BlockStored, KVEventBatch
 __all__ = [
     "CapturePublisher",
     "DiffCell",
+    "OffloadCell",
+    "offload_config",
     "run_stream",
     "serve_cell",
     "sim_engine",
@@ -48,6 +51,26 @@ class DiffCell(Protocol):
     vllm_block_size: int | None  # --block-size (None: vLLM picks)
     num_gpu_blocks: int
     chunk_budget: int | None  # --max-num-batched-tokens (None: vLLM's CPU default)
+
+
+class OffloadCell(Protocol):
+    """What a CPU-tier cell says about the tier (both engines get the same)."""
+
+    blocks_per_chunk: int
+    policy: str  # lru | arc
+    self_describing: bool
+
+
+def offload_config(cell: OffloadCell, num_chunks: int, **more: Any) -> OffloadConfig:
+    """Our CPU tier as ``cell`` configures vLLM's, on vLLM's own ``num_chunks``; ``more``:
+    other ``OffloadConfig`` fields (``vllm_version``, ``copy_delay_steps``)."""
+    return OffloadConfig(
+        num_chunks,
+        blocks_per_chunk=cell.blocks_per_chunk,
+        policy=cell.policy,
+        self_describing=cell.self_describing,
+        **more,
+    )
 
 
 def serve_cell(

@@ -34,11 +34,10 @@ from typing import Any
 import pytest
 from harness import CpuOffload, EventRecorder, VllmServer, bind_mode_config
 from harness import free_port as harness_free_port
-from simkit import serve_cell, sim_engine
+from simkit import offload_config, serve_cell, sim_engine
 from simkit import tally as tally_events
 from workload import FORCED_TOKEN, SAMPLING
 
-from engine_adapter.offload import OffloadConfig
 from engine_adapter.profiles import get_profile
 from engine_adapter.sim.core import EngineCore
 from events.structs import BlockStored, KVEventBatch
@@ -324,15 +323,8 @@ async def test_offload_tier_matches_vllm_connector_request_by_request(
         cell.num_gpu_blocks,
         cell.chunk_budget,
         cell.max_model_len,
-        offload=OffloadConfig(
-            num_chunks,
-            blocks_per_chunk=cell.blocks_per_chunk,
-            policy=cell.policy,
-            self_describing=cell.self_describing,
-            copy_delay_steps=cell.hold,
-            # The CPU build serves 0.32; its connector is what this suite checks.
-            vllm_version="0.32",
-        ),
+        # The CPU build serves 0.32; its connector is what this suite checks.
+        offload=offload_config(cell, num_chunks, copy_delay_steps=cell.hold, vllm_version="0.32"),
     )
     await core.start()
     steps = stream(7, cell.n, cell.doc_len, cell.max_model_len)

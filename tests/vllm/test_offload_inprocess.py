@@ -22,17 +22,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from schedkit import driver_job, offload_rows, register_jobs
-from simkit import run_stream, sim_engine
+from schedkit import driver_job, offload_rows, register_jobs, release_params
+from simkit import offload_config, run_stream, sim_engine
 from test_offload_differential import stream as offload_stream
 from workload import FORCED_TOKEN
 
-from engine_adapter.offload import OffloadConfig
 from engine_adapter.profiles import get_profile
 from engine_adapter.sim.core import EngineCore
 from events.structs import KVEventBatch
 
-pytestmark = pytest.mark.vllm
+# The timeout covers the session's driver processes (``driver_runs``), set up by the first test.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 log = logging.getLogger(__name__)
 
 
@@ -119,19 +119,12 @@ async def _run_ours(
         case.num_blocks,
         case.budget,
         case.max_model_len,
-        offload=OffloadConfig(
-            num_chunks,
-            blocks_per_chunk=case.blocks_per_chunk,
-            policy=case.policy,
-            self_describing=case.self_describing,
-            vllm_version=version,
-        ),
+        offload=offload_config(case, num_chunks, vllm_version=version),
     )
     return await run_stream(core, cap, requests, tally, FORCED_TOKEN)
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize(("version", "name"), RUNS, ids=[f"{v}-{n}" for v, n in RUNS])
+@release_params(RUNS)
 async def test_cpu_tier_matches_vllm_connector_in_process(
     version: str, name: str, driver_runs: dict[tuple[str, str, str], Any]
 ) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from schedkit import driver_job, register_jobs
+from schedkit import driver_job, register_jobs, release_params
 from simkit import run_stream, sim_engine
 from workload import FORCED_TOKEN, mixed_stream, next_messages, record_reply
 
@@ -27,7 +27,8 @@ from engine_adapter.profiles import get_profile
 from events.structs import BlockRemoved, BlockStored, KVEventBatch
 from events.tokenizer import ByteTokenizer, apply_chat_template
 
-pytestmark = pytest.mark.vllm
+# The timeout covers the session's driver processes (``driver_runs``), set up by the first test.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 log = logging.getLogger(__name__)
 
 MAX_MODEL_LEN = 2048
@@ -116,8 +117,7 @@ async def _run_ours(case: Case) -> list[tuple[int, Counter[tuple[Any, ...]]]]:
     return [(gpu + cpu, counted) for gpu, cpu, counted in rows]
 
 
-@pytest.mark.timeout(1800)
-@pytest.mark.parametrize(("version", "name"), RUNS, ids=[f"{v}-{n}" for v, n in RUNS])
+@release_params(RUNS)
 async def test_engine_matches_vllm_scheduler_in_process(
     version: str, name: str, driver_runs: dict[tuple[str, str, str], Any]
 ) -> None:
