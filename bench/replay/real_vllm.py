@@ -9,12 +9,16 @@ shared prefixes stay shared); the suite's ``a_real_shape`` simulates the same en
 so the sim's figures can be set beside vLLM's. Reused tokens are what vLLM itself counts:
 the deltas of ``vllm:prefix_cache_hits_total`` / ``..._queries_total`` summed over the
 engines. Run by ``python -m bench.replay.real_vllm OUT [ROUTERS [SEEDS [TOKENIZER
-[CPU_BYTES [BLOCKS_PER_CHUNK]]]]]`` (needs the vLLM CPU venv at ``VLLM_PY``; CPU-heavy:
-about a minute per router and seed). ``CPU_BYTES`` > 0 gives every engine vLLM's CPU
-offload tier (its ``OffloadingConnector`` with the host-memory spec,
-``engine_adapter.vllm_cpu.CpuOffload``); reused tokens are then split by where vLLM took
+[CPU_BYTES [BLOCKS_PER_CHUNK [GPU_BLOCKS]]]]]]`` (needs the vLLM CPU venv at ``VLLM_PY``;
+CPU-heavy: about a minute per router and seed). ``GPU_BLOCKS`` (default 400) is each
+engine's pool in vLLM pages, shared by the model's six KV groups. ``CPU_BYTES`` > 0 gives
+every engine vLLM's CPU offload tier (its ``OffloadingConnector`` with the host-memory
+spec, ``engine_adapter.vllm_cpu.CpuOffload``): vLLM makes it ``CPU_BYTES // 16384``
+chunks at one block per chunk (one group's page each; ``kvroute offload tier:
+num_chunks=...`` in the engines' logs). Reused tokens are then split by where vLLM took
 them (``vllm:prompt_tokens_by_source_total``: ``local_cache_hit`` GPU,
-``external_kv_transfer`` CPU).
+``external_kv_transfer`` CPU) and ``reused_share`` is both over the prompt tokens
+(``reused_ratio`` counts the GPU tier's hits alone: ``vllm:prefix_cache_*``).
 """
 
 from __future__ import annotations
@@ -185,6 +189,7 @@ def _cell(
         "gpu_reused_tokens": gpu,
         "cpu_reused_tokens": cpu,
         "prompt_tokens": total,
+        "reused_share": (gpu + cpu) / total if total > 0 else None,
         "reused_ratio": (h1 - h0) / (q1 - q0) if q1 > q0 else None,
         "hit_tokens": h1 - h0,
         "query_tokens": q1 - q0,
@@ -258,6 +263,7 @@ def run_real(out: Path, routers: Sequence[str], seeds: Sequence[int] = (0,),
 
 _METRICS = (
     "reused_ratio",
+    "reused_share",
     "gpu_reused_tokens",
     "cpu_reused_tokens",
     "ttft_p50_ms",
