@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.fleet_workload import HASH_ALGO, HASH_SEED, FleetShape, instance_batches, queries
+from bench.fleet_workload import HASH_ALGO, HASH_SEED, FleetShape, instance_batches, query
 
 log = logging.getLogger("bench.fleet")
 
@@ -302,7 +302,8 @@ async def _index_stats(index: Any) -> dict[str, Any]:
 
 
 async def _decisions(state: Any, shape: FleetShape, n: int, urls: list[str]) -> dict[str, Any]:
-    qs = queries(shape, n + shape.docs, salt="decide")
+    # One request at a time: the router's peak memory is the router's, not the prompts'.
+    qs = (query(shape, k, salt="decide") for k in range(n + shape.docs))
     times: list[float] = []
     cpu: list[float] = []  # the event loop thread's CPU: what contention does not inflate
     wrong: list[dict[str, Any]] = []
