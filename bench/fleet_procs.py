@@ -278,10 +278,15 @@ async def _router(cfg: dict[str, Any]) -> None:
         f"http://127.0.0.1:{port}={ev},replay={rp}"
         for port, ev, rp in zip(cfg["ports"], cfg["events"], cfg["replays"], strict=True)
     ]
+    # Churn replays a fleet's hour in minutes: the router's loop is saturated by design
+    # for seconds at a time, and its probes' answers wait behind it. Probes are not what
+    # churn measures: a down mark would drop the instance's residency and rebuild it from
+    # a replay buffer that churn has rolled past.
+    health = {"timeout_s": 30.0, "failures": 10} if cfg.get("churn") else {}
     settings = RouterSettings(
         port=cfg["router_port"], instances=specs, index=cfg.get("index", "memory"),
         block_size=shape.block_size, hash_algo=HASH_ALGO, seed=HASH_SEED,
-        default_layout=f"swa:{shape.window}", log_level="warning",
+        default_layout=f"swa:{shape.window}", log_level="warning", health=health,
     )  # fmt: skip
     app, state = build_app(settings)
     server = uvicorn.Server(
