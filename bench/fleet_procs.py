@@ -6,15 +6,17 @@ waits for a line on stdin before the next step.
 
 * ``publishers``: one ``events.publisher.ZmqEventPublisher`` per instance (vLLM's
   publisher: PUB + ROUTER replay, ``buffer_steps`` covering the backlog), publishes every
-  instance's batches, then ``ready``; on ``churn SECONDS`` stores and evicts unrelated
-  prompts on every instance for that long; ``stop`` ends it.
+  instance's batches, then ``ready``; ``churn-minute RATE`` publishes a simulated minute
+  of store/evict churn on every instance (``RATE`` block events per instance-second) and
+  says each instance's last seq, ``churn-end`` evicts what churn left; ``stop`` ends it.
 * ``engines``: one port per instance answering ``/health``, ``/metrics`` (a vLLM-sized
   body), ``/v1/models`` and ``/v1/completions`` at once (``bench.replay.upstream``).
 * ``router``: the real router (``router.http.server.build_app`` under uvicorn, in process), cold:
   it meets the fleet's backlog through replay. Steps: ``ingested`` (rate, entries, RSS),
   ``idle`` (CPU of the idle router: health probing), ``decisions`` (in-process
   ``Router.decide`` on 240k-token prompts, each checked), ``serving`` (the proxy is
-  measured from outside), ``churn`` (RSS samples), ``done`` (peak RSS).
+  measured from outside); ``catch-up SEQS`` waits until every instance's batch ``SEQS[i]``
+  is applied and says RSS and entries (``caught-up``); ``done`` (peak RSS).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.fleet_workload import HASH_ALGO, HASH_SEED, FleetShape, instance_batches, queries
+from bench.fleet_workload import HASH_ALGO, HASH_SEED, FleetShape, instance_batches, query
+from events.structs import BlockRemoved, BlockStored, KVEventBatch
 
 log = logging.getLogger("bench.fleet")
 
@@ -61,7 +64,6 @@ def shape_of(cfg: dict[str, Any]) -> FleetShape:
 
 def publishers_main(cfg: dict[str, Any]) -> None:
     from events.publisher import ZmqEventPublisher
-    from events.structs import BlockRemoved, BlockStored, KVEventBatch
 
     shape = shape_of(cfg)
     pubs = []
@@ -69,7 +71,9 @@ def publishers_main(cfg: dict[str, Any]) -> None:
     t0 = time.perf_counter()
     for i, (ev, rp) in enumerate(zip(cfg["events"], cfg["replays"], strict=True)):
         batches, n_entries, n_blocks = instance_batches(shape, i)
-        pub = ZmqEventPublisher(endpoint=ev, replay_endpoint=rp, buffer_steps=len(batches) + 10_000)
+        # The backlog (a cold router replays it) plus a margin: churn's batches roll it out
+        # (an hour of a fleet's churn kept whole would be gigabytes).
+        pub = ZmqEventPublisher(endpoint=ev, replay_endpoint=rp, buffer_steps=len(batches) + 256)
         ts = time.time()
         for b in batches:
             b.ts = ts
@@ -87,31 +91,92 @@ def publishers_main(cfg: dict[str, Any]) -> None:
             time.sleep(0.01)
     _say({"step": "ready", "blocks": blocks, "entries": entries, "batches": batches_n,
           "seconds": time.perf_counter() - t0, "rss_kb": rss_kb()})  # fmt: skip
+    churn = _Churn(shape, [n for _, n in pubs])
     while cmd := _line():
-        if cmd.startswith("churn"):
-            seconds = float(cmd.split()[1])
-            rng = random.Random(shape.seed + 99)
-            tokens = [rng.randrange(1000) for _ in range(shape.step_blocks * shape.block_size)]
-            end = time.monotonic() + seconds
-            sent = 0
-            while time.monotonic() < end:
-                for pub, _ in pubs:
-                    hs = [rng.getrandbits(64) for _ in range(shape.step_blocks)]
-                    stored = BlockStored(
-                        block_hashes=hs, parent_block_hash=None, token_ids=tokens,
-                        block_size=shape.block_size, lora_id=None, medium="GPU",
-                        lora_name=None, group_idx=0, kv_cache_spec_kind="full_attention",
-                    )  # fmt: skip
-                    pub.publish(KVEventBatch(ts=time.time(), events=[stored]))
-                    pub.publish(KVEventBatch(ts=time.time(), events=[
-                        BlockRemoved(block_hashes=hs, medium="GPU", group_idx=0)]))  # fmt: skip
-                    sent += 2 * len(hs)
-                time.sleep(0.05)
-            _say({"step": "churned", "blocks": sent})
+        if cmd.startswith("churn-minute"):
+            rate = float(cmd.split()[1])
+            blocks = churn.minute(pubs, rate)
+            _say({"step": "churn-minute", "blocks": blocks, "last_seqs": churn.last_seqs()})
+        elif cmd == "churn-end":
+            blocks = churn.evict_all(pubs)
+            _say({"step": "churn-end", "blocks": blocks, "last_seqs": churn.last_seqs()})
         elif cmd == "stop":
             break
     for pub, _ in pubs:
         pub.shutdown()
+
+
+class _Churn:
+    """Simulated minutes of an engine's cache churn on every instance: each step stores a
+    fresh prompt (``step_blocks`` full-attention blocks and its sliding-window tail, with
+    token ids, as vLLM sends them) and, past ``resident`` churned prompts, evicts the
+    oldest (both groups): the index keeps its size while every block it held at the
+    start of a minute is replaced within minutes. A minute is ``rate * 60`` block events
+    per instance, published as fast as the process can, so an hour of a fleet's events
+    costs minutes."""
+
+    resident = 4
+
+    def __init__(self, shape: FleetShape, published: list[int]) -> None:
+        self.shape = shape
+        self.rng = random.Random(shape.seed + 99)
+        n_tokens = shape.step_blocks * shape.block_size
+        self.tokens = [self.rng.randrange(1000) for _ in range(n_tokens)]
+        self.held: list[list[list[int]]] = [[] for _ in published]
+        self.count = list(published)  # batches published per instance so far
+
+    def last_seqs(self) -> list[int]:
+        return [n - 1 for n in self.count]
+
+    def _store(self, pub: Any, i: int) -> int:
+        s = self.shape
+        hs = [self.rng.getrandbits(64) for _ in range(s.step_blocks)]
+        tail = hs[-s.window_blocks :]
+        pub.publish(KVEventBatch(ts=time.time(), events=[
+            _churn_stored(s, hs, self.tokens, 0),
+            _churn_stored(s, tail, self.tokens[-len(tail) * s.block_size :], 1),
+        ]))  # fmt: skip
+        self.held[i].append(hs)
+        self.count[i] += 1
+        return len(hs) + len(tail)
+
+    def _evict(self, pub: Any, i: int) -> int:
+        hs = self.held[i].pop(0)
+        tail = hs[-self.shape.window_blocks :]
+        pub.publish(KVEventBatch(ts=time.time(), events=[
+            BlockRemoved(block_hashes=hs, medium="GPU", group_idx=0),
+            BlockRemoved(block_hashes=tail, medium="GPU", group_idx=1),
+        ]))  # fmt: skip
+        self.count[i] += 1
+        return len(hs) + len(tail)
+
+    def minute(self, pubs: list[tuple[Any, int]], rate: float) -> int:
+        budget = rate * 60
+        blocks = 0
+        for i, (pub, _) in enumerate(pubs):
+            done = 0
+            while done < budget:
+                done += self._store(pub, i)
+                if len(self.held[i]) > self.resident:
+                    done += self._evict(pub, i)
+            blocks += done
+        return blocks
+
+    def evict_all(self, pubs: list[tuple[Any, int]]) -> int:
+        blocks = 0
+        for i, (pub, _) in enumerate(pubs):
+            while self.held[i]:
+                blocks += self._evict(pub, i)
+        return blocks
+
+
+def _churn_stored(shape: FleetShape, hashes: list[int], tokens: list[int], group: int) -> Any:
+    return BlockStored(
+        block_hashes=hashes, parent_block_hash=None, token_ids=tokens,
+        block_size=shape.block_size, lora_id=None, medium="GPU", lora_name=None,
+        group_idx=group, kv_cache_spec_kind="full_attention" if group == 0 else "sliding_window",
+        kv_cache_spec_sliding_window=None if group == 0 else shape.window,
+    )  # fmt: skip
 
 
 # ---- engines ------------------------------------------------------------------------------
@@ -213,10 +278,15 @@ async def _router(cfg: dict[str, Any]) -> None:
         f"http://127.0.0.1:{port}={ev},replay={rp}"
         for port, ev, rp in zip(cfg["ports"], cfg["events"], cfg["replays"], strict=True)
     ]
+    # Churn replays a fleet's hour in minutes: the router's loop is saturated by design
+    # for seconds at a time, and its probes' answers wait behind it. Probes are not what
+    # churn measures: a down mark would drop the instance's residency and rebuild it from
+    # a replay buffer that churn has rolled past.
+    health = {"timeout_s": 30.0, "failures": 10} if cfg.get("churn") else {}
     settings = RouterSettings(
         port=cfg["router_port"], instances=specs, index=cfg.get("index", "memory"),
         block_size=shape.block_size, hash_algo=HASH_ALGO, seed=HASH_SEED,
-        default_layout=f"swa:{shape.window}", log_level="warning",
+        default_layout=f"swa:{shape.window}", log_level="warning", health=health,
     )  # fmt: skip
     app, state = build_app(settings)
     server = uvicorn.Server(
@@ -277,15 +347,16 @@ async def _router(cfg: dict[str, Any]) -> None:
     _say({"step": "decisions", **results})
     _say({"step": "serving"})
     while cmd := await asyncio.to_thread(_line):
-        if cmd.startswith("sample"):
-            seconds = float(cmd.split()[1])
-            samples = []
-            end = time.monotonic() + seconds
-            while time.monotonic() < end:
-                samples.append(rss_kb())
-                await asyncio.sleep(1.0)
+        if cmd.startswith("catch-up"):  # catch-up SEQS_JSON: apply up to them, then sample
+            seqs = json.loads(cmd.split(None, 1)[1])
+            t0, c0 = time.perf_counter(), time.process_time()
+            pairs = list(zip(urls, seqs, strict=True))
+            while any((state.ingest.last_seq(u) or -1) < w for u, w in pairs):
+                await asyncio.sleep(0.002)
             stats = await _index_stats(state.index)
-            _say({"step": "churn", "rss_kb": samples, "entries": stats.get("entries")})
+            _say({"step": "caught-up", "seconds": time.perf_counter() - t0,
+                  "cpu_seconds": time.process_time() - c0, "rss_kb": rss_kb(),
+                  "entries": stats.get("entries")})  # fmt: skip
         elif cmd == "stop":
             break
     _say({"step": "done", "hwm_kb": rss_kb("VmHWM"), "rss_kb": rss_kb()})
@@ -302,7 +373,8 @@ async def _index_stats(index: Any) -> dict[str, Any]:
 
 
 async def _decisions(state: Any, shape: FleetShape, n: int, urls: list[str]) -> dict[str, Any]:
-    qs = queries(shape, n + shape.docs, salt="decide")
+    # One request at a time: the router's peak memory is the router's, not the prompts'.
+    qs = (query(shape, k, salt="decide") for k in range(n + shape.docs))
     times: list[float] = []
     cpu: list[float] = []  # the event loop thread's CPU: what contention does not inflate
     wrong: list[dict[str, Any]] = []

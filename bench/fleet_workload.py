@@ -34,7 +34,7 @@ from typing import Any
 
 from events.structs import BlockRemoved, BlockStored, KVEventBatch
 
-__all__ = ["FleetShape", "Query", "instance_batches", "queries"]
+__all__ = ["FleetShape", "Query", "instance_batches", "queries", "query"]
 
 HASH_ALGO = "sha256_cbor"
 HASH_SEED = "0"
@@ -235,17 +235,20 @@ class Query:
     cpu_tokens: int
 
 
-def queries(shape: FleetShape, n: int, salt: str = "q") -> list[Query]:
-    """``n`` requests cycling over the documents, each with its own fresh tail."""
-    out = []
+def query(shape: FleetShape, k: int, salt: str = "q") -> Query:
+    """Request ``k``: document ``k % docs`` with its own fresh tail."""
     keep = int(shape.prompt_tokens * shape.query_share)
-    for k in range(n):
-        d = k % shape.docs
-        rng = random.Random(f"{shape.seed}:{salt}:{k}")
-        tokens = list(doc_tokens(shape, d)[:keep])
-        tokens += [rng.randrange(VOCAB) for _ in range(shape.prompt_tokens - keep)]
-        best = shape.holders_of(d)[0]
-        gpu = min(shape.hold_blocks(d, 0), keep // shape.block_size) * shape.block_size
-        gpu = min(gpu, (shape.prompt_tokens - 1) // shape.block_size * shape.block_size)
-        out.append(Query(d, tokens, best, gpu, 0))
-    return out
+    d = k % shape.docs
+    rng = random.Random(f"{shape.seed}:{salt}:{k}")
+    tokens = list(doc_tokens(shape, d)[:keep])
+    tokens += [rng.randrange(VOCAB) for _ in range(shape.prompt_tokens - keep)]
+    best = shape.holders_of(d)[0]
+    gpu = min(shape.hold_blocks(d, 0), keep // shape.block_size) * shape.block_size
+    gpu = min(gpu, (shape.prompt_tokens - 1) // shape.block_size * shape.block_size)
+    return Query(d, tokens, best, gpu, 0)
+
+
+def queries(shape: FleetShape, n: int, salt: str = "q") -> list[Query]:
+    """``n`` requests cycling over the documents, each with its own fresh tail (all at
+    once: ~2 MB each at 240k tokens; ``query`` makes one at a time)."""
+    return [query(shape, k, salt) for k in range(n)]

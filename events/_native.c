@@ -366,6 +366,43 @@ PyDoc_STRVAR(pack_u32_doc,
 "A list/tuple of exact ints as packed native uint32, or None when one is not an int\n"
 "in [0, 2**32) (array('I', ids) does the same, several times slower).");
 
+/* An exact int's value when it is in [0, 2**32): 1 and *out; 0 when it is not; -1 when
+ * this fast path cannot tell (pack_u32 then asks PyLong_AsUnsignedLongLong). Token ids
+ * are one or two 30-bit digits: reading them in place, without a call per id, halves
+ * the packing of a 240k-token prompt. */
+static inline int
+small_u32(PyObject *v, uint32_t *out)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    if (!PyUnstable_Long_IsCompact((PyLongObject *)v))
+        return -1;
+    Py_ssize_t x = PyUnstable_Long_CompactValue((PyLongObject *)v);
+    if (x < 0 || (unsigned long long)x > 0xFFFFFFFFULL)
+        return 0;
+    *out = (uint32_t)x;
+    return 1;
+#else
+    Py_ssize_t size = Py_SIZE(v);
+    const digit *d = ((PyLongObject *)v)->ob_digit;
+    if (size == 0) {
+        *out = 0;
+        return 1;
+    }
+    if (size == 1) {
+        *out = (uint32_t)d[0];
+        return 1;
+    }
+    if (size == 2) {
+        uint64_t x = (uint64_t)d[0] | ((uint64_t)d[1] << PyLong_SHIFT);
+        if (x > 0xFFFFFFFFULL)
+            return 0;
+        *out = (uint32_t)x;
+        return 1;
+    }
+    return size < 0 ? 0 : -1;
+#endif
+}
+
 static PyObject *
 pack_u32(PyObject *self, PyObject *obj)
 {
@@ -383,7 +420,10 @@ pack_u32(PyObject *self, PyObject *obj)
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *v = items[i];
         unsigned long long x;
-        if (!PyLong_CheckExact(v) ||
+        int quick = PyLong_CheckExact(v) ? small_u32(v, &dst[i]) : 0;
+        if (quick == 1)
+            continue;
+        if (quick == 0 || !PyLong_CheckExact(v) ||
             ((x = PyLong_AsUnsignedLongLong(v)) == (unsigned long long)-1 && PyErr_Occurred()) ||
             x > 0xFFFFFFFFULL) {
             PyErr_Clear();

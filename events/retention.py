@@ -94,7 +94,10 @@ def retained_prompt_blocks(
         bs = spec.block_size
         r = bs // hash_block_size
         full = num_prompt_tokens // bs
-        mask = cacheable_mask(spec, alignment, boundaries, 0, full)
-        blocks = range(full) if mask is None else [i for i in range(full) if mask[i]]
+        blocks: Sequence[int]
+        if isinstance(spec, FullAttentionSpec) or alignment % bs:
+            blocks = range(full)  # cacheable_mask's None: every block
+        else:  # the few reachable blocks, without a mask over the whole prompt
+            blocks = sorted(i for i in _reachable_blocks(spec, alignment, boundaries) if i < full)
         out.append((g, list(blocks) if r == 1 else [(i + 1) * r - 1 for i in blocks]))
     return out

@@ -102,7 +102,12 @@ def bench_fleet(
     idle_s: float = typer.Option(10.0, help="Seconds the idle router's CPU is measured."),
     redis: bool = typer.Option(True, help="Also ingest into a private redis-server."),
     redis_instances: int = typer.Option(16, help="Instances the Redis ingest follows."),
-    churn_s: float = typer.Option(0.0, help="Seconds of store/evict churn (RSS sampled)."),
+    churn_minutes: int = typer.Option(
+        0, help="Simulated minutes of store/evict churn, RSS sampled after each (60: an hour)."
+    ),
+    churn_rate: float = typer.Option(
+        1000.0, help="Churn block events per instance per simulated second."
+    ),
     small: bool = typer.Option(False, help="CI scale: 4 and 6 instances, 4k-token prompts."),
     seed: int = typer.Option(0),
 ) -> None:
@@ -112,7 +117,8 @@ def bench_fleet(
 
     if small:
         run(out, instances=(4, 6), entries=40_000, prompt_tokens=4096, decisions=8,
-            proxy_requests=6, idle_s=1.0, redis=redis, redis_instances=2, churn_s=churn_s,
+            proxy_requests=6, idle_s=1.0, redis=redis, redis_instances=2,
+            churn_minutes=churn_minutes, churn_rate=churn_rate,
             seed=seed, system_blocks=16, step_blocks=64, noise_blocks=256)  # fmt: skip
         return
     run(**fields_from(run, locals(), instances=tuple(instances)))

@@ -23,6 +23,7 @@ from router.fleet.specs import InstanceSpec, parse_instance, rank_specs
 from router.http.forward import Forwarder
 from router.http.upstream import UpstreamPool
 from router.index import open_index
+from router.index.redis_cluster import RedisClusterIndex
 from router.index.redis_index import RedisIndex
 from router.ingest import IngestManager
 from router.metrics import RouterMetrics
@@ -114,9 +115,15 @@ class RouterState:
         """Replicas on one Redis index share predictions and load through it
         (``router.prediction.shared``); a memory index is one replica: None."""
         inner = getattr(self.index, "inner", self.index)
-        if not self.settings.share_replicas or not isinstance(inner, RedisIndex):
+        if not self.settings.share_replicas:
             return None
-        client = inner.redis
+        client: Any
+        if isinstance(inner, RedisIndex):
+            client = inner.redis
+        elif isinstance(inner, RedisClusterIndex):
+            client = inner.pubsub_client()  # one node at a time (cluster pub/sub is broadcast)
+        else:
+            return None
         registry = self.registry
 
         def load() -> dict[str, tuple[int, int, int]]:

@@ -14,6 +14,8 @@ been seen (chunk 0 is among the first stored of nearly every prompt).
 The learner keeps hash -> end only until the answer has held for ``settle_after``
 placeholders in a row, within ``max_tracked`` entries (oldest dropped first): an instance
 restarts (forgetting its layout starts a new learner) before its chunk size can change.
+Where the instance's self-describing CPU events tell the size, the registry stops it
+(``stop``): nothing to learn, and nothing kept.
 """
 
 from __future__ import annotations
@@ -42,6 +44,13 @@ class ChunkLearner:
         self.tokens_per_chunk: int | None = None
         self.placed = 0  # placeholders placed since the answer last changed
         self.settled = False
+
+    def stop(self) -> None:
+        """The chunk size is told otherwise (the instance's self-describing CPU events):
+        nothing to learn, and the hash -> end table (up to ``max_tracked`` entries, ~6 MB
+        per instance: most of a cold router's memory in front of a fleet) goes."""
+        self.settled = True
+        self._ends = {}
 
     def observe(self, batch: KVEventBatch) -> bool:
         """Read one batch (in stream order); True if the learned chunk size changed."""

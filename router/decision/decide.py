@@ -128,7 +128,7 @@ class Router:
             return None
         # remote: the least busy API server of the pool tokenizes
         at = min(healthy, key=_busy).http_url if self.tokenizer.remote else None
-        ids = await self.tokenizer.prompt_ids(body, kind, at)
+        ids, packed = await self.tokenizer.prompt_ids_packed(body, kind, at)
         m = self.metrics
         t_hash = time.perf_counter()
         m.stage_tokenize.observe(t_hash - t0)
@@ -157,7 +157,7 @@ class Router:
             for size, group in by_size.items():
                 # The engine keys block 0 with the request's cache_salt: a salted request
                 # is credited only with blocks stored under the same salt.
-                hashes[size] = hs = self.prompt_hashes.wire_hashes(ids, size, salt, lora)
+                hashes[size] = hs = self.prompt_hashes.wire_hashes(ids, size, salt, lora, packed)
                 t_score = time.perf_counter()
                 m.stage_hash.observe(t_score - t_hash)
                 if not hs:

@@ -244,8 +244,10 @@ class LayoutRegistry:
         placed = self._placed.get(instance)
         if placed is None:
             placed = self._placed[instance] = ChunkLearner()
-        if placed.observe(batch) and instance not in self._chunk:
-            changed = True  # (self-describing events, when present, name the size itself)
+        if instance in self._chunk:
+            placed.stop()  # self-describing events name the size: nothing to learn
+        elif placed.observe(batch):
+            changed = True
         for ev in batch.events:
             if type(ev) is not BlockStored or ev.block_size <= 0:
                 continue

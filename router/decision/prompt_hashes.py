@@ -74,14 +74,18 @@ class PromptHashes:
         block_size: int,
         salt: str | None,
         lora: tuple[str, str | None] | None = None,
+        packed: bytes | None = None,
     ) -> list[int]:
         """Wire hashes of every full block of ``ids`` (vLLM's chain: the LoRA key on every
         block, ``cache_salt`` on block 0), as ``hash_request_blocks`` + ``wire_hashes``
-        would give them."""
+        would give them. ``packed``: ``packed_u32(ids)`` when the caller has it already."""
         n = len(ids) // block_size
         if n == 0:
             return []
-        packed = packed_u32(ids) if self.enabled else None
+        if not self.enabled:
+            packed = None
+        elif packed is None or len(packed) != 4 * len(ids):
+            packed = packed_u32(ids)
         if packed is None:  # negative or odd ids: hash without reuse
             keys = block_extra_keys(n, lora=lora, cache_salt=salt)
             self.hashed_blocks += n

@@ -37,12 +37,31 @@ class RoutingTokenizer:
         self._local: Tokenizer | None = None if self.remote else load_tokenizer(spec)
         self._client = client
         self._pick = pick_instance
+        # The last token-id prompt checked and its packing, until prompt_ids_packed takes
+        # it (no await between the check and the taking: never another request's).
+        self._checked: tuple[list[Any], bytes] | None = None
 
     async def prompt_ids(
         self, body: dict[str, Any], kind: str, instance: str | None = None
     ) -> list[int] | None:
         """``instance``: where ``remote`` tokenizes (one serving the request's model, whose
         tokenizer it is); default any healthy one."""
+        return (await self.prompt_ids_packed(body, kind, instance))[0]
+
+    async def prompt_ids_packed(
+        self, body: dict[str, Any], kind: str, instance: str | None = None
+    ) -> tuple[list[int] | None, bytes | None]:
+        """``prompt_ids``, and for a prompt given as token ids the native uint32 packing
+        its check made (``events.hashing.packed_u32``; None otherwise): the prompt's
+        hashes start from it instead of packing a 240k-token prompt a second time."""
+        ids = await self._prompt_ids(body, kind, instance)
+        checked, self._checked = self._checked, None
+        return ids, checked[1] if checked is not None and checked[0] is ids else None
+
+    async def _prompt_ids(
+        self, body: dict[str, Any], kind: str, instance: str | None
+    ) -> list[int] | None:
+        self._checked = None
         extra = {"model": body["model"]} if isinstance(body.get("model"), str) else {}
         if kind == "chat":
             messages = body.get("messages")
@@ -59,8 +78,13 @@ class RoutingTokenizer:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
-        if isinstance(prompt, list) and _token_ids(prompt):
-            return prompt
+        if isinstance(prompt, list):
+            packed = packed_u32(prompt) if native_hashing() else None
+            if packed is not None:  # all exact ints in [0, 2**32): token ids
+                self._checked = (prompt, packed)
+                return prompt
+            if _token_ids(prompt):
+                return prompt
         if not isinstance(prompt, str):
             return None
         specials = body.get("add_special_tokens", True) is not False
@@ -87,10 +111,8 @@ class RoutingTokenizer:
 
 
 def _token_ids(prompt: list[Any]) -> bool:
-    """Whether every item is a non-negative int (bools are not token ids). The native
-    packer checks exact ints below 2**32 in one C pass (a Python loop over a 240k-token
-    prompt cost ~7 ms of every decision); only what it refuses -- an id past 2**32, or a
-    bad item -- gets the Python check, which decides."""
-    if native_hashing() and packed_u32(prompt) is not None:
-        return True
+    """Whether every item is a non-negative int (bools are not token ids). The caller
+    tries the native packer first, which checks exact ints below 2**32 in one C pass (a
+    Python loop over a 240k-token prompt cost ~7 ms of every decision); only what it
+    refuses -- an id past 2**32, or a bad item -- gets this check, which decides."""
     return all(type(t) is int and t >= 0 for t in prompt)

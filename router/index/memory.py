@@ -4,8 +4,9 @@ Layout, chosen for bytes per entry and O(1) per event block:
 
 * the block table (``router.index.table``): per distinct wire hash a bitset over
   *columns*, a column being one (instance, slot) pair, plus the repeats vLLM's duplicate
-  physical blocks cause. The C table (``router.index._memindex``) owns that storage where
-  it is built; ``PyBlockTable`` is the reference with the same API;
+  physical blocks cause. The C table (``router.index._memindex``: 16-byte slots, each
+  holder set stored once) owns that storage where it is built; ``PyBlockTable`` is the
+  reference with the same API;
 * ``_logs[col]: array('Q')`` -- the reverse index: hashes the column ever stored (8 bytes
   each), compacted when more than half are stale. Clearing an instance walks only its logs;
 * per instance its columns and cursor.

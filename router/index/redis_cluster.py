@@ -57,7 +57,7 @@ from events.structs import KVEventBatch
 from router.index.base import ApplyResult, Residency, SeqBatch
 from router.index.redis_index import RedisIndex, get_layouts, namespace_for, put_layout
 
-__all__ = ["RedisClusterIndex", "parse_cluster_url", "shard_prefixes"]
+__all__ = ["ClusterPubSub", "RedisClusterIndex", "parse_cluster_url", "shard_prefixes"]
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,7 @@ class RedisClusterIndex:
         self._stale_map = False
         self.partial_lookups = 0
         self.failovers_seen = 0
+        self._pubsub: ClusterPubSub | None = None
 
     # ---- shards ------------------------------------------------------------------------
 
@@ -329,7 +330,16 @@ class RedisClusterIndex:
     async def get_layouts(self) -> dict[str, dict[str, Any]]:
         return await get_layouts(self.cluster, self.prefix)
 
+    def pubsub_client(self) -> ClusterPubSub:
+        """What ``router.prediction.shared`` publishes and subscribes through (the cluster
+        client has no pub/sub): one node at a time, the next one when it fails."""
+        if self._pubsub is None:
+            self._pubsub = ClusterPubSub(self)
+        return self._pubsub
+
     async def close(self) -> None:
+        if self._pubsub is not None:
+            await self._pubsub.aclose()
         for idx in self._shards.values():
             with contextlib.suppress(Exception):
                 await idx.close()
@@ -359,3 +369,112 @@ class RedisClusterIndex:
     async def reclaim(self, max_entries: int = 5000) -> int:
         await self._ready()
         return sum([await self._shard(k).reclaim(max_entries) for k in range(self.shards)])
+
+
+class ClusterPubSub:
+    """Pub/sub on a Redis Cluster, as ``SharedPredictions`` uses a plain client's
+    (``publish`` and ``pubsub()``): redis-py's async cluster client has none, but a
+    cluster's classic pub/sub is broadcast -- a PUBLISH on any node reaches subscribers on
+    every node over the cluster bus -- so one plain connection to one node serves both.
+    When that node fails (a call raises), the next call goes to the next node: the
+    cluster's nodes as last mapped (masters and replicas), then the URL's. What was
+    published while a subscriber moved is lost, as pub/sub loses it anywhere: records
+    expire and loads are republished, so a replica's view is stale for that long only."""
+
+    def __init__(self, index: RedisClusterIndex) -> None:
+        self._index = index
+        self._seed = parse_cluster_url(index.url)[0]
+        self._tried: list[str] = []  # nodes failed since the last good call, most recent last
+        self.node: str | None = None  # "host:port" now used
+        self._client: aioredis.Redis | None = None
+        self.moves = 0  # times it went to another node
+
+    def _candidates(self) -> list[str]:
+        known = [f"{h}:{p}" for h, p in self._seed]
+        with contextlib.suppress(Exception):
+            cache = self._index.cluster.nodes_manager.nodes_cache
+            known = [*dict.fromkeys([*cache, *known])]
+        return known
+
+    def _current(self) -> aioredis.Redis:
+        if self._client is None:
+            nodes = self._candidates()
+            fresh = [n for n in nodes if n not in self._tried] or nodes
+            if len(fresh) == len(nodes):
+                self._tried = []  # every node tried: start over
+            self.node = fresh[0]
+            host, port = self.node.rsplit(":", 1)
+            self._client = aioredis.Redis(
+                host=host, port=int(port), decode_responses=False,
+                socket_connect_timeout=_CONNECT_TIMEOUT_S, retry=Retry(NoBackoff(), 0),
+            )  # fmt: skip
+        return self._client
+
+    def _failed(self, node: str | None) -> None:
+        """``node`` failed a call: the next call goes elsewhere (once per failure)."""
+        if node is None or node != self.node or self._client is None:
+            return
+        self._tried.append(node)
+        client, self._client = self._client, None
+        self.moves += 1
+        log.warning("replica share: cluster node %s failed; moving to another", node)
+        asyncio.get_running_loop().create_task(_quietly_close(client))
+
+    async def publish(self, channel: str, payload: bytes) -> int:
+        client, node = self._current(), self.node
+        try:
+            n: int = await client.publish(channel, payload)
+        except (aioredis.ConnectionError, aioredis.TimeoutError, OSError):
+            self._failed(node)
+            raise
+        self._tried = []
+        return n
+
+    def pubsub(self) -> _NodePubSub:
+        return _NodePubSub(self)
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await _quietly_close(self._client)
+            self._client = None
+
+
+class _NodePubSub:
+    """A subscription on the node ``ClusterPubSub`` uses now; ``subscribe`` again after a
+    failure subscribes on the node it moved to."""
+
+    def __init__(self, owner: ClusterPubSub) -> None:
+        self._owner = owner
+        self._ps: Any = None
+        self._node: str | None = None
+
+    async def subscribe(self, *channels: str) -> None:
+        if self._ps is not None:
+            with contextlib.suppress(Exception):
+                await self._ps.aclose()
+        client = self._owner._current()
+        self._node = self._owner.node
+        self._ps = client.pubsub()
+        try:
+            await self._ps.subscribe(*channels)
+        except (aioredis.ConnectionError, aioredis.TimeoutError, OSError):
+            self._owner._failed(self._node)
+            raise
+
+    async def get_message(self, **kw: Any) -> Any:
+        try:
+            return await self._ps.get_message(**kw)
+        except (aioredis.ConnectionError, aioredis.TimeoutError, OSError):
+            self._owner._failed(self._node)
+            raise
+
+    async def aclose(self) -> None:
+        if self._ps is not None:
+            with contextlib.suppress(Exception):
+                await self._ps.aclose()
+            self._ps = None
+
+
+async def _quietly_close(client: aioredis.Redis) -> None:
+    with contextlib.suppress(Exception):
+        await client.aclose()

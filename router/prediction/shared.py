@@ -27,7 +27,11 @@ that holds the index, on one pub/sub channel per index namespace, off the reques
   settled records on it too, through ``on_applied``).
 
 Only built with a Redis index: with the memory index a router is one replica, and nothing
-here runs. Messages are msgpack ``[replica, sent_wall_s, ops, load]``; an op is
+here runs. On a Redis Cluster index ``redis`` is ``router.index.redis_cluster.ClusterPubSub``
+(one node at a time: cluster pub/sub is broadcast), which moves to another node when the
+one in use fails: the receive loop's resubscription then lands there.
+
+Messages are msgpack ``[replica, sent_wall_s, ops, load]``; an op is
 ``["r", instance, key, [[group, hashes], ...], whole]`` (record; a key recorded again
 replaces its blocks), ``["s", instance, key]`` (settle) or ``["f", instance]`` (a batch of
 the instance was applied). A message that does not decode is counted and dropped.

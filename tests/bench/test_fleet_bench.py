@@ -28,7 +28,8 @@ def test_workload_queries_name_the_longest_holder_and_its_credited_tokens():
 def test_bench_fleet_small_reports_every_figure_and_every_decision_is_correct(tmp_path, capsys):
     report = run(
         tmp_path, instances=(4,), entries=30_000, prompt_tokens=4096, decisions=6,
-        proxy_requests=4, idle_s=0.5, redis=True, redis_instances=2, churn_s=2.0, **SMALL,
+        proxy_requests=4, idle_s=0.5, redis=True, redis_instances=2, churn_minutes=3,
+        churn_rate=50.0, **SMALL,
     )  # fmt: skip
     written = json.loads((tmp_path / "fleet.json").read_text())
     assert written["fleets"][0]["instances"] == 4 == report["fleets"][0]["instances"]
@@ -43,7 +44,9 @@ def test_bench_fleet_small_reports_every_figure_and_every_decision_is_correct(tm
     assert row["redis_entries"] > 0 and row["redis_instances"] == 2
     assert 0 <= row["idle_probe_cpu_share"] < 1
     assert row["proxy"]["requests"] == 2 and row["proxy"]["router_p50_ms"] > 0
-    assert row["churn"]["block_events"] > 0 and row["churn"]["entries_after"] == row["entries"]
+    churn = row["churn"]
+    assert churn["block_events"] >= 3 * 4 * 50 * 60 and len(churn["rss_mb_per_minute"]) == 3
+    assert churn["entries_after"] == churn["entries_before"] == row["entries"]
     assert written["machine"]["cpus"] >= 1
     out = capsys.readouterr().out
     assert "kvroute bench fleet" in out and "4 instances: " in out

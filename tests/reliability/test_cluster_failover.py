@@ -230,3 +230,51 @@ def _restart_all(cluster: RedisCluster) -> None:
     for p in cluster.nodes:
         if not p.alive:
             _restart(cluster, p)
+
+
+async def test_replicas_share_over_the_cluster_and_move_off_a_node_that_dies(cluster):
+    """Predict-on-route sharing on ``redis+cluster://`` (``ClusterPubSub``): two replicas
+    on different nodes (cluster pub/sub is broadcast) see each other's records; the node
+    the receiving replica subscribed on is killed, it moves to another node and sees the
+    records published after."""
+    from routerkit import eventually
+
+    from router.prediction.shared import SharedPredictions
+
+    _restart_all(cluster)
+    ns = f"kvr:{{share-{uuid.uuid4().hex[:8]}}}"
+    urls = [f"127.0.0.1:{p.port}" for p in cluster.nodes]
+    ia = RedisClusterIndex("redis+cluster://" + ",".join(urls), namespace=ns)
+    ib = RedisClusterIndex("redis+cluster://" + ",".join(urls[1:] + urls[:1]), namespace=ns)
+    channel = f"{ns}:replicas"
+
+    def replica(index: RedisClusterIndex) -> SharedPredictions:
+        return SharedPredictions(
+            index.pubsub_client(), channel, ttl_s=30.0, load=dict, set_peer_load=lambda _: None
+        )
+
+    a, b = replica(ia), replica(ib)
+    killed = None
+    try:
+        await a.start()
+        await b.start()
+        assert ia.pubsub_client().node != ib.pubsub_client().node  # across nodes
+
+        async def shared(key: int, hashes: list[int]) -> bool:
+            a.record("http://e1", key, {0: hashes}, whole=0b1)  # again until it arrives
+            return bool(b.residency(hashes, ["http://e1"]))
+
+        await eventually(lambda: shared(1, [101, 102, 103]), timeout=10, interval=0.1)
+        node = ib.pubsub_client().node
+        assert node is not None
+        killed = next(p for p in cluster.nodes if p.port == int(node.rsplit(":", 1)[1]))
+        killed.kill()
+        await eventually(lambda: shared(2, [201, 202]), timeout=30, interval=0.1)
+        assert ib.pubsub_client().moves >= 1 and ib.pubsub_client().node != node
+    finally:
+        await a.close()
+        await b.close()
+        await ia.close()
+        await ib.close()
+        if killed is not None:
+            await asyncio.to_thread(_restart, cluster, killed)

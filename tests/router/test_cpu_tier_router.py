@@ -209,6 +209,20 @@ def test_chunk_size_precedence_configured_then_learned_then_default(self_desc):
     assert "a" not in reg._placed and reg.learned("a") is None
 
 
+def test_self_describing_events_stop_the_placeholder_learner_and_its_table():
+    """Self-describing CPU events name the chunk size: the placeholder learner's hash ->
+    end table (up to 64k entries per instance) is dropped, and GPU chains no longer
+    fill it."""
+    reg = LayoutRegistry()
+    hs = chain(8)
+    reg.observe("a", batch(gpu_store(hs[:4])))
+    assert reg._placed["a"]._ends  # chains are tracked until the size is known
+    reg.observe("a", batch(gpu_store(hs[4:], parent=hs[3]), self_describing(hs[:2], None)))
+    reg.observe("a", batch(gpu_store(chain(64, 9000))))
+    assert reg._placed["a"]._ends == {} and reg._placed["a"].settled
+    assert reg.get("a").tokens_per_chunk == 2 * BS  # type: ignore[union-attr]
+
+
 async def test_placeholder_cpu_hits_at_two_blocks_per_chunk_are_scored_once_learned():
     # The issue's case: vLLM served 512 tokens from CPU, the router predicted 0.
     index, reg = MemoryIndex(), LayoutRegistry()

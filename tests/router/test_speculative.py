@@ -70,6 +70,25 @@ def test_no_junction_state_where_the_cpu_tier_loads_past_the_junction() -> None:
     assert held[0] == [17]  # only the state at the replay boundary (599 -> 576)
 
 
+def test_retained_blocks_are_what_the_engines_mask_keeps() -> None:
+    """The router's prediction (the reachable blocks alone) and the engine's rule
+    (``cacheable_mask`` over every block) name the same blocks: one rule, both sides."""
+    from events.retention import cache_hit_alignment, cacheable_mask, reachable_boundaries
+
+    odd = (SlidingWindowSpec(48, 100), FullAttentionSpec(BS))  # alignment not a multiple of 48
+    for groups in (GEMMA, QWEN, odd, (SlidingWindowSpec(2 * BS, 200), FullAttentionSpec(BS))):
+        alignment = cache_hit_alignment(groups)
+        for n_tokens, junction in ((1, 0), (352, 0), (400, 192), (9_999, 4_000), (240_000, 0)):
+            got = dict(retained_prompt_blocks(groups, n_tokens, BS, junction=junction))
+            bounds = reachable_boundaries(n_tokens, junction)
+            for g, spec in enumerate(groups):
+                full = n_tokens // spec.block_size
+                mask = cacheable_mask(spec, alignment, bounds, 0, full)
+                keep = range(full) if mask is None else [i for i in range(full) if mask[i]]
+                r = spec.block_size // BS
+                assert got[g] == [(i + 1) * r - 1 for i in keep], (groups, n_tokens, g)
+
+
 def test_recorded_blocks_live_until_the_first_batch_after_the_answer() -> None:
     clock = Clock()
     spec = SpeculativeResidency(ttl_s=2.0, clock=clock)

@@ -29,3 +29,18 @@ async def test_token_id_prompts_are_taken_only_when_every_id_is_a_non_negative_i
         assert ids is prompt
     else:
         assert ids is None
+
+
+async def test_the_check_packing_is_handed_on_once_and_only_for_its_own_prompt():
+    """The decision hashes from the packing the check made (a 240k-token prompt packed
+    once, not twice); what the check did not pack (past u32, text) hands on nothing."""
+    from events.hashing import native_hashing, packed_u32
+
+    tok = RoutingTokenizer("byte")
+    prompt = list(range(240_000))
+    ids, packed = await tok.prompt_ids_packed({"model": "m", "prompt": prompt}, "completion")
+    assert ids is prompt
+    assert packed == (packed_u32(prompt) if native_hashing() else None)
+    for other in ([0, 2**32], "text"):
+        ids, packed = await tok.prompt_ids_packed({"model": "m", "prompt": other}, "completion")
+        assert ids is not None and packed is None  # the earlier packing is not handed on
