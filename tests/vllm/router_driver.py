@@ -107,12 +107,17 @@ class RouterUnderTest:
         return {i["url"]: i for i in r.json()["instances"]}
 
     def sync(self, timeout: float = 15.0) -> None:
-        """Wait until the router has applied everything each vLLM published so far."""
-        for s in self.servers:
-            replay = s.kv_events_config["replay_endpoint"]  # type: ignore[index]
-            start = self._seen.get(s.url, -1) + 1
-            for seq, _ in fetch_replay(replay, start):
-                self._seen[s.url] = max(self._seen.get(s.url, -1), seq)
+        """Wait until the router has applied everything each vLLM published so far: every
+        routing target the router follows (a server, or each of its data-parallel ranks,
+        ``URL#dpR``), read from vLLM's replay endpoint as the router resolved it."""
+        for url, inst in self.instances().items():
+            if not inst.get("replay") or not any(
+                url.split("#", 1)[0] == s.url for s in self.servers
+            ):
+                continue
+            start = self._seen.get(url, -1) + 1
+            for seq, _ in fetch_replay(inst["replay"], start):
+                self._seen[url] = max(self._seen.get(url, -1), seq)
         deadline = time.monotonic() + timeout
         while True:
             got = self.instances()
@@ -128,8 +133,9 @@ class RouterUnderTest:
             time.sleep(0.02)
 
     def forget_seqs(self, server: VllmServer) -> None:
-        """A restarted vLLM counts from 0 again."""
-        self._seen.pop(server.url, None)
+        """A restarted vLLM (each of its ranks) counts from 0 again."""
+        for url in [u for u in self._seen if u.split("#", 1)[0] == server.url]:
+            del self._seen[url]
 
     # ---- requests ------------------------------------------------------------------------
 
