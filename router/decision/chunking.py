@@ -89,7 +89,7 @@ class ChunkLearner:
                 return  # the chain's start was not seen: its positions are unknown
             base = found
         bs = ev.block_size
-        hashes = [_wire(h) for h in ev.block_hashes]
+        hashes = [h if type(h) is int else to_wire(h) for h in ev.block_hashes]  # _wire, inlined
         ends.update(zip(hashes, range(base + bs, base + bs * (len(hashes) + 1), bs), strict=True))
         if len(ends) > self.max_tracked:  # drop the oldest half (dicts keep insertion order)
             for h in list(ends)[: len(ends) // 2]:

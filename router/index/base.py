@@ -52,9 +52,14 @@ SeqBatch = tuple[KVEventBatch, int | None]
 Residency = dict[int, int]
 
 
+# The members bound once: ``Tier.GPU`` looked up through the class is an enum attribute
+# lookup (~0.2 us on CPython 3.11), and ``tier_of`` runs for every event ingested.
+_GPU_TIER, _CPU_TIER = Tier.GPU, Tier.CPU
+
+
 def tier_of(medium: str | None) -> Tier:
     """vLLM's ``medium``: None (older engines) and "GPU" are the GPU tier, the rest CPU."""
-    return Tier.GPU if medium is None or medium == "GPU" else Tier.CPU
+    return _GPU_TIER if medium is None or medium == "GPU" else _CPU_TIER
 
 
 def slot_of(group_idx: int | None, tier: int) -> int:

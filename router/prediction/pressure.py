@@ -21,6 +21,8 @@ from router.index.base import Tier, tier_of
 
 __all__ = ["EvictionTracker"]
 
+_GPU_TIER = Tier.GPU  # bound once: an enum lookup through the class costs per event
+
 
 class EvictionTracker:
     """When each instance last evicted a GPU block, from its event batches."""
@@ -33,7 +35,7 @@ class EvictionTracker:
 
     def observe(self, instance: str, batch: KVEventBatch) -> None:
         for e in batch.events:
-            if type(e) is BlockRemoved and tier_of(e.medium) is Tier.GPU and e.block_hashes:
+            if type(e) is BlockRemoved and tier_of(e.medium) is _GPU_TIER and e.block_hashes:
                 self._last[instance] = self._clock()
                 return
         self._last.setdefault(instance, -math.inf)

@@ -48,6 +48,7 @@ from router.index.base import Residency, Tier, slot_of, tier_of
 __all__ = ["Held", "PyRefCounts", "SpeculativeResidency", "refcounts_type"]
 
 _GPU = int(Tier.GPU)
+_GPU_TIER = Tier.GPU  # bound once: an enum lookup through the class costs per event
 
 # A class: (bitmask of its groups, True where they hold whole prompts).
 _Class = tuple[int, bool]
@@ -270,17 +271,26 @@ class SpeculativeResidency:
         classes = self._classes.get(instance)
         if not classes:
             return
+        # vLLM removes blocks one event each: gather the batch's GPU removals per group
+        # first, then look them up once per group, not once per event.
+        removed: dict[int, list[object]] = {}
         for ev in batch.events:
             if type(ev) is not BlockRemoved or not ev.block_hashes:
                 continue
-            if tier_of(ev.medium) is not Tier.GPU:
+            if tier_of(ev.medium) is not _GPU_TIER:
                 continue
             g = ev.group_idx or 0
+            hs = removed.get(g)
+            if hs is None:
+                removed[g] = list(ev.block_hashes)
+            else:
+                hs.extend(ev.block_hashes)
+        for g, hs in removed.items():
             held = [
                 h
                 for (bits, _), counts in classes.items()
                 if bits >> g & 1
-                for h in ev.block_hashes
+                for h in hs
                 if type(h) is int and h in counts
             ]
             if held:
