@@ -22,6 +22,7 @@ from events.publisher import NullEventPublisher
 from events.structs import BlockRemoved, BlockStored, KVEventBatch
 
 __all__ = [
+    "CPU_DEFAULT_BUDGET",
     "CapturePublisher",
     "DiffCell",
     "OffloadCell",
@@ -31,6 +32,9 @@ __all__ = [
     "sim_engine",
     "tally",
 ]
+
+
+CPU_DEFAULT_BUDGET = 2048  # vLLM's CPU build: --max-num-batched-tokens for the API server
 
 
 class CapturePublisher(NullEventPublisher):

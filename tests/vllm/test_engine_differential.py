@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from harness import EventRecorder, RecordedBatch, bind_mode_config, free_port
-from simkit import serve_cell, sim_engine, tally
+from simkit import CPU_DEFAULT_BUDGET, serve_cell, sim_engine, tally
 from workload import FORCED_TOKEN, SAMPLING, Step, mixed_stream, next_messages, record_reply
 
 from engine_adapter.profiles import get_profile
@@ -31,7 +31,6 @@ pytestmark = pytest.mark.vllm
 log = logging.getLogger(__name__)
 
 MAX_MODEL_LEN = 2048
-CPU_DEFAULT_BUDGET = 2048  # vLLM's CPU build: --max-num-batched-tokens for the API server
 
 
 @dataclass(frozen=True)

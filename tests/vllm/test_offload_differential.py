@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 from harness import CpuOffload, EventRecorder, VllmServer, bind_mode_config
 from harness import free_port as harness_free_port
-from simkit import offload_config, serve_cell, sim_engine
+from simkit import CPU_DEFAULT_BUDGET, offload_config, serve_cell, sim_engine
 from simkit import tally as tally_events
 from workload import FORCED_TOKEN, SAMPLING
 
@@ -56,7 +56,7 @@ class Cell:
     vllm_block_size: int | None  # --block-size given to vLLM
     num_gpu_blocks: int
     max_model_len: int
-    chunk_budget: int
+    chunk_budget: int | None  # --max-num-batched-tokens; None: vLLM's CPU default
     blocks_per_chunk: int
     policy: str
     self_describing: bool
@@ -76,7 +76,7 @@ class Cell:
         held = f"-hold{self.hold}-burst{self.burst}" if self.hold or self.burst else ""
         return (
             f"{self.model}-bpc{self.blocks_per_chunk}-{self.policy}-{mode}-"
-            f"budget{self.chunk_budget}{held}"
+            f"budget{self.chunk_budget or 'default'}{held}"
         )
 
 
@@ -111,7 +111,8 @@ CELLS = [
     # both block hashes; the window groups keep placeholders).
     Cell("gemma3", "swa:64*5,full", 32, 16, 96, 1024, 32, 2, "lru", True, 75, 4096, (250, 600), 30),
     # Qwen3-Next-like: three Mamba groups + full attention. Block 128 (the harness keeps
-    # the SSM state in bf16 on every machine, ``harness.MODEL_ARGS``).
+    # the SSM state in bf16 on every machine, ``harness.MODEL_ARGS``); vLLM's default
+    # chunk budget (the CPU build's 2048: whole prompts in one step).
     Cell(
         "qwen3next",
         "mamba*3,full",
@@ -119,7 +120,7 @@ CELLS = [
         None,
         24,
         2048,
-        256,
+        None,
         1,
         "arc",
         False,
@@ -321,7 +322,7 @@ async def test_offload_tier_matches_vllm_connector_request_by_request(
     core, captured = sim_engine(
         get_profile(cell.model, layout=cell.layout, block_size=cell.block_size, page_bytes=64),
         cell.num_gpu_blocks,
-        cell.chunk_budget,
+        cell.chunk_budget or CPU_DEFAULT_BUDGET,
         cell.max_model_len,
         # The CPU build serves 0.32; its connector is what this suite checks.
         offload=offload_config(cell, num_chunks, copy_delay_steps=cell.hold, vllm_version="0.32"),
