@@ -74,6 +74,9 @@ CELLS = {
         restart=True,
         hold_load_polls=300,  # ~0.5-1 ms a poll idle: 100 deferred only 2 of 12 siblings
     ),
+    # vLLM's default chunk (1 block) with self-describing events: every CPU event names its
+    # block, so the chunk size is read off the events.
+    "llama-bpc1-selfdesc": Cell("llama", 1, True, False, 40, (400, 560), (2, 4), block_size=32),
     # --block-size 16 becomes 32; each of the five window groups needs blocks for its window
     # plus a chunk while a prompt runs, then keeps few: ~3 documents fit at rest.
     "gemma3-bpc2-selfdesc": Cell("gemma3", 2, True, False, 90, (700, 900), (3, 5), block_size=16),
