@@ -27,6 +27,7 @@ __all__ = [
     "Tier",
     "columns_from_rows",
     "group_tier",
+    "is_gpu_medium",
     "slot_of",
     "tier_of",
     "to_wire",
@@ -57,8 +58,15 @@ Residency = dict[int, int]
 _GPU_TIER, _CPU_TIER = Tier.GPU, Tier.CPU
 
 
+def is_gpu_medium(medium: str | None) -> bool:
+    """vLLM's ``medium``: None (older engines) and "GPU" are the GPU tier, the rest CPU.
+    Per-event filters call this instead of comparing ``tier_of``'s result with a member."""
+    return medium is None or medium == "GPU"
+
+
 def tier_of(medium: str | None) -> Tier:
-    """vLLM's ``medium``: None (older engines) and "GPU" are the GPU tier, the rest CPU."""
+    """The tier of vLLM's ``medium`` (``is_gpu_medium``'s rule, inlined: this runs for
+    every event the index applies, and a call more doubles its cost)."""
     return _GPU_TIER if medium is None or medium == "GPU" else _CPU_TIER
 
 

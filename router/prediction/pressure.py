@@ -17,11 +17,9 @@ import time
 from collections.abc import Callable
 
 from events.structs import BlockRemoved, KVEventBatch
-from router.index.base import Tier, tier_of
+from router.index.base import is_gpu_medium
 
 __all__ = ["EvictionTracker"]
-
-_GPU_TIER = Tier.GPU  # bound once: an enum lookup through the class costs per event
 
 
 class EvictionTracker:
@@ -35,7 +33,7 @@ class EvictionTracker:
 
     def observe(self, instance: str, batch: KVEventBatch) -> None:
         for e in batch.events:
-            if type(e) is BlockRemoved and tier_of(e.medium) is _GPU_TIER and e.block_hashes:
+            if type(e) is BlockRemoved and is_gpu_medium(e.medium) and e.block_hashes:
                 self._last[instance] = self._clock()
                 return
         self._last.setdefault(instance, -math.inf)

@@ -43,12 +43,11 @@ from typing import Any
 
 from events.native import load
 from events.structs import BlockRemoved, KVEventBatch
-from router.index.base import Residency, Tier, slot_of, tier_of
+from router.index.base import Residency, Tier, is_gpu_medium, slot_of
 
 __all__ = ["Held", "PyRefCounts", "SpeculativeResidency", "refcounts_type"]
 
 _GPU = int(Tier.GPU)
-_GPU_TIER = Tier.GPU  # bound once: an enum lookup through the class costs per event
 
 # A class: (bitmask of its groups, True where they hold whole prompts).
 _Class = tuple[int, bool]
@@ -277,7 +276,7 @@ class SpeculativeResidency:
         for ev in batch.events:
             if type(ev) is not BlockRemoved or not ev.block_hashes:
                 continue
-            if tier_of(ev.medium) is not _GPU_TIER:
+            if not is_gpu_medium(ev.medium):
                 continue
             g = ev.group_idx or 0
             hs = removed.get(g)
