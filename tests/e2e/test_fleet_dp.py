@@ -5,32 +5,17 @@
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import httpx
+from eventskit import free_port
 from kvtest import debug_route, start_router
 
 from stack.procs import KVROUTE, Proc
 
 
-def _port_pair() -> int:
-    """A loopback port P with P+1 free too (rank r uses P+r, as vLLM offsets)."""
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                with socket.socket() as b:
-                    b.bind(("127.0.0.1", port + 1))
-                    return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port pair")
-
-
 def _dp_engine(tmp_path, size: int) -> tuple[Proc, dict]:
-    port, events, replay = _port_pair(), _port_pair(), _port_pair()
+    port, events, replay = free_port(2), free_port(2), free_port(2)
     # A concrete address: the engine's ranks connect to P+r, the router binds there.
     cfg = {
         "enable_kv_cache_events": True,

@@ -13,13 +13,13 @@ host), restarted once.
 from __future__ import annotations
 
 import logging
-import socket
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from harness import LOOPBACK, free_port, wait_for
+from eventskit import free_port
+from harness import LOOPBACK, wait_for
 from router_driver import RouterUnderTest
 from workload import mixed_stream
 
@@ -35,26 +35,13 @@ COMMON = {
 START_S = 600.0  # a loaded 2-core machine has taken more than the harness's 240 s
 
 
-def _port_pair() -> int:
-    """A port P with P+1 free too: rank r of a data-parallel vLLM uses P+r."""
-    for _ in range(100):
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind((LOOPBACK, port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port pair")
-
-
 def _dp_config() -> dict[str, Any]:
     """Both sockets bound by vLLM on every interface (data parallelism needs tcp)."""
     return {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{_port_pair()}",
-        "replay_endpoint": f"tcp://*:{_port_pair()}",
+        "endpoint": f"tcp://*:{free_port(2)}",
+        "replay_endpoint": f"tcp://*:{free_port(2)}",
     }
 
 
