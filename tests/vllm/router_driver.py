@@ -39,6 +39,11 @@ class Outcome:
         return self.predicted == self.cached
 
 
+def _server_url(target: str) -> str:
+    """The server of a routing target: itself, or a data-parallel rank's ``URL#dpR``."""
+    return target.split("#", 1)[0]
+
+
 @dataclass
 class RouterUnderTest:
     servers: list[VllmServer]
@@ -110,10 +115,9 @@ class RouterUnderTest:
         """Wait until the router has applied everything each vLLM published so far: every
         routing target the router follows (a server, or each of its data-parallel ranks,
         ``URL#dpR``), read from vLLM's replay endpoint as the router resolved it."""
+        ours = {s.url for s in self.servers}
         for url, inst in self.instances().items():
-            if not inst.get("replay") or not any(
-                url.split("#", 1)[0] == s.url for s in self.servers
-            ):
+            if not inst.get("replay") or _server_url(url) not in ours:
                 continue
             start = self._seen.get(url, -1) + 1
             for seq, _ in fetch_replay(inst["replay"], start):
@@ -134,7 +138,7 @@ class RouterUnderTest:
 
     def forget_seqs(self, server: VllmServer) -> None:
         """A restarted vLLM (each of its ranks) counts from 0 again."""
-        for url in [u for u in self._seen if u.split("#", 1)[0] == server.url]:
+        for url in [u for u in self._seen if _server_url(u) == server.url]:
             del self._seen[url]
 
     # ---- requests ------------------------------------------------------------------------
