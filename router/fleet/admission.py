@@ -148,7 +148,10 @@ class AdmissionController:
         self.depth.set(len(self._queue))
         t0 = time.monotonic()
         try:
-            ticket = await asyncio.wait_for(asyncio.shield(fut), c.timeout_s)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a client's
+            # cancellation that lands as the ticket is issued.
+            async with asyncio.timeout(c.timeout_s):
+                ticket = await asyncio.shield(fut)
         except TimeoutError:
             if not fut.done():
                 self._queue.remove(entry)

@@ -166,9 +166,9 @@ class SharedPredictions:
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        # gather, not ``suppress(CancelledError)`` around each: a cancellation of close()
+        # itself still propagates.
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         if self._pubsub is not None:
             with contextlib.suppress(Exception):
@@ -185,8 +185,12 @@ class SharedPredictions:
                 # Idle (nothing in flight): only a request changes the load, and its
                 # record wakes this task; so poll the load only while some is in flight.
                 wait = self.load_interval_s if last_load else self.heartbeat_s
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a
+                # cancellation that lands as the event fires, and close() then waits on
+                # this loop for good.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), wait)
+                    async with asyncio.timeout(wait):
+                        await self._wake.wait()
             self._wake.clear()
             load = self._load()
             now = self._clock()

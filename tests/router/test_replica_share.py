@@ -5,6 +5,8 @@ that does not decode is counted and dropped."""
 
 from __future__ import annotations
 
+import asyncio
+
 import redis.asyncio as aioredis
 from routerkit import eventually, new_namespace, positions
 
@@ -71,6 +73,20 @@ async def test_a_record_reaches_the_other_replica_and_settles_at_an_applied_batc
     finally:
         await a.close()
         await b.close()
+
+
+async def test_close_right_after_a_record_returns(redis_server):
+    """A record wakes the publisher in the same tick that ``close`` cancels it: the
+    cancellation must not be lost (Python 3.11's ``wait_for`` returned the event's result
+    and dropped it, so ``close`` waited on a publisher that never stopped)."""
+    for i in range(20):
+        (a,) = [_Replica(redis_server.url, f"{new_namespace()}:replicas")]
+        await a.share.start()
+        await asyncio.sleep(0.02)  # the publisher is parked on its wake-up event
+        a.share.record(E1, i, {0: [1, 2]}, whole=1)
+        closing = asyncio.ensure_future(a.close())
+        done, _ = await asyncio.wait({closing}, timeout=5)  # wait; never cancel it
+        assert closing in done, f"close() still waiting after a record (round {i})"
 
 
 async def test_recorded_again_replaces_and_merge_ors_into_own(redis_server):
