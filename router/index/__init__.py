@@ -7,7 +7,7 @@ default), ``redis://``, ``rediss://``, ``unix://`` -> ``RedisIndex`` (shared by 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Unpack
 
 from router.index.base import (
     NUM_TIERS,
@@ -21,6 +21,9 @@ from router.index.base import (
     to_wire,
 )
 from router.index.memory import MemoryIndex
+
+if TYPE_CHECKING:  # the Redis modules load only when a Redis URL is opened
+    from router.index.redis_index import RedisOptions
 
 __all__ = [
     "NUM_TIERS",
@@ -37,9 +40,8 @@ __all__ = [
 ]
 
 
-def open_index(url: str | None = None, **redis_options: Any) -> BlockIndex:
-    """The index for ``url``; ``redis_options`` go to ``RedisIndex`` (model, hash_algo,
-    hash_seed, namespace, instance_ttl_s, block_ttl_s)."""
+def open_index(url: str | None = None, **redis_options: Unpack[RedisOptions]) -> BlockIndex:
+    """The index for ``url``; ``redis_options`` go to the Redis-backed indexes."""
     if url is None or url in ("memory", "memory://"):
         return MemoryIndex()
     if url.startswith(("redis://", "rediss://", "unix://")):

@@ -784,14 +784,39 @@ PyDoc_STRVAR(compact_doc,
 "Of a column's log (native uint64 hashes, bytes-like), the hashes the column still\n"
 "holds, each once, in first-seen order.");
 
+/* The (col, log) arguments of compact and drop: a column and its log, a bytes-like of
+ * native uint64 hashes (the caller releases log with PyBuffer_Release). */
+typedef struct {
+    Py_ssize_t col;
+    Py_buffer log;
+    Py_ssize_t n; /* hashes in the log */
+} ColumnLog;
+
+static int
+column_log_parse(PyObject *args, ColumnLog *cl)
+{
+    if (!PyArg_ParseTuple(args, "ny*", &cl->col, &cl->log))
+        return -1;
+    cl->n = cl->log.len / 8;
+    return 0;
+}
+
+static inline uint64_t
+column_log_at(const ColumnLog *cl, Py_ssize_t i)
+{
+    uint64_t h;
+    memcpy(&h, (const char *)cl->log.buf + 8 * i, 8);
+    return h;
+}
+
 static PyObject *
 BlockTable_compact(BlockTable *t, PyObject *args)
 {
-    Py_ssize_t col;
-    Py_buffer log;
-    if (!PyArg_ParseTuple(args, "ny*", &col, &log))
+    Py_ssize_t cap = 16, kept = 0;
+    ColumnLog cl;
+    if (column_log_parse(args, &cl) < 0)
         return NULL;
-    Py_ssize_t n = log.len / 8, cap = 16, kept = 0;
+    Py_ssize_t n = cl.n, col = cl.col;
     while (cap < 2 * n)
         cap <<= 1;
     uint64_t *seen = PyMem_Calloc((size_t)cap, sizeof(uint64_t));
@@ -805,8 +830,7 @@ BlockTable_compact(BlockTable *t, PyObject *args)
         goto error;
     uint64_t *dst = (uint64_t *)PyBytes_AS_STRING(out);
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t h;
-        memcpy(&h, (const char *)log.buf + 8 * i, 8);
+        uint64_t h = column_log_at(&cl, i);
         Py_ssize_t j = (Py_ssize_t)((h * 0x9E3779B97F4A7C15ULL) >> 1) & (cap - 1);
         while (used[j] && seen[j] != h)
             j = (j + 1) & (cap - 1);
@@ -826,7 +850,7 @@ error:
 done:
     PyMem_Free(seen);
     PyMem_Free(used);
-    PyBuffer_Release(&log);
+    PyBuffer_Release(&cl.log);
     return out;
 }
 
@@ -838,16 +862,15 @@ PyDoc_STRVAR(drop_doc,
 static PyObject *
 BlockTable_drop(BlockTable *t, PyObject *args)
 {
-    Py_ssize_t col;
-    Py_buffer log;
-    if (!PyArg_ParseTuple(args, "ny*", &col, &log))
-        return NULL;
     PyObject *colobj = NULL, *gone = NULL, *out = NULL;
+    ColumnLog cl;
+    if (column_log_parse(args, &cl) < 0)
+        return NULL;
+    Py_ssize_t col = cl.col;
     if ((colobj = PyLong_FromSsize_t(col)) == NULL)
         goto done;
-    for (Py_ssize_t i = 0; i < log.len / 8; i++) {
-        uint64_t h;
-        memcpy(&h, (const char *)log.buf + 8 * i, 8);
+    for (Py_ssize_t i = 0; i < cl.n; i++) {
+        uint64_t h = column_log_at(&cl, i);
         Py_ssize_t p = find(t, h);
         if (p < 0)
             continue;
@@ -879,7 +902,7 @@ BlockTable_drop(BlockTable *t, PyObject *args)
 done:
     Py_XDECREF(gone);
     Py_XDECREF(colobj);
-    PyBuffer_Release(&log);
+    PyBuffer_Release(&cl.log);
     return out;
 }
 

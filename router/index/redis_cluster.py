@@ -42,7 +42,7 @@ import contextlib
 import logging
 import zlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Unpack
 from urllib.parse import parse_qs, urlsplit
 
 import redis.asyncio as aioredis
@@ -56,6 +56,9 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from events.structs import KVEventBatch
 from router.index.base import ApplyResult, Residency, SeqBatch
 from router.index.redis_index import RedisIndex, get_layouts, namespace_for, put_layout
+
+if TYPE_CHECKING:
+    from router.index.redis_index import RedisOptions
 
 __all__ = ["ClusterPubSub", "RedisClusterIndex", "parse_cluster_url", "shard_prefixes"]
 
@@ -116,33 +119,20 @@ def shard_of(instance: str, shards: int) -> int:
 class RedisClusterIndex:
     """``BlockIndex`` over a Redis Cluster; see the module docstring for the layout.
 
-    Options are ``RedisIndex``'s (model, hash_algo, hash_seed, namespace, instance_ttl_s,
-    block_ttl_s) plus ``shards`` (None: the URL's ``shards``, else the namespace's stored
-    count, else the number of masters)."""
+    Options are ``RedisIndex``'s (``RedisOptions``, with its defaults; each shard is a
+    ``RedisIndex`` built with them) plus ``shards`` (None: the URL's ``shards``, else the
+    namespace's stored count, else the number of masters)."""
 
     def __init__(
-        self,
-        url: str,
-        *,
-        model: str = "",
-        hash_algo: str = "sha256",
-        hash_seed: str | None = None,
-        namespace: str | None = None,
-        instance_ttl_s: float | None = 120.0,
-        block_ttl_s: float | None = None,
-        shards: int | None = None,
+        self, url: str, *, shards: int | None = None, **options: Unpack[RedisOptions]
     ) -> None:
         nodes, opts = parse_cluster_url(url)
         self.url = url
-        self.prefix = namespace or namespace_for(model, hash_algo, hash_seed)
+        self.prefix = options.pop("namespace", None) or namespace_for(
+            options.get("model", ""), options.get("hash_algo", "sha256"), options.get("hash_seed")
+        )
         self._want_shards = shards or (int(opts["shards"]) if "shards" in opts else None)
-        self._opts: dict[str, Any] = {
-            "model": model,
-            "hash_algo": hash_algo,
-            "hash_seed": hash_seed,
-            "instance_ttl_s": instance_ttl_s,
-            "block_ttl_s": block_ttl_s,
-        }
+        self._opts = options  # for each shard's RedisIndex (the namespace is the shard's)
         # Startup nodes built with redis.cluster's ClusterNode (host and port only), as this
         # index is tested; redis-py types the parameter with its asyncio ClusterNode.
         startup: Any = [ClusterNode(h, p) for h, p in nodes]
@@ -220,8 +210,10 @@ class RedisClusterIndex:
         self._master[k] = name
         idx = self._shards.get((k, name))
         if idx is None:
+            options = self._opts.copy()
+            options["namespace"] = prefix
             idx = self._shards[(k, name)] = RedisIndex(
-                name, namespace=prefix, client=self._node_client(node), **self._opts
+                name, client=self._node_client(node), **options
             )
         return idx
 

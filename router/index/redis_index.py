@@ -26,7 +26,7 @@ import os
 import struct
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -80,6 +80,18 @@ def _pack(hashes: Sequence[Any]) -> bytes:
         return struct.pack(f">{len(hashes)}Q", *hashes)
     except (struct.error, TypeError):
         return b"".join(to_wire(h).to_bytes(8, "big") for h in hashes)
+
+
+class RedisOptions(TypedDict, total=False):
+    """What every Redis-backed index takes besides its URL (``RedisIndex``,
+    ``RedisClusterIndex``, ``router.index.open_index``); the defaults are ``RedisIndex``'s."""
+
+    model: str
+    hash_algo: str
+    hash_seed: str | None
+    namespace: str | None
+    instance_ttl_s: float | None
+    block_ttl_s: float | None
 
 
 class RedisIndex:
