@@ -6,7 +6,8 @@ so the machine's noise (2 shared cores) falls on all alike; the added latency is
 router's p50/p99 minus the direct p50/p99 of the same cell. Two upstreams: a minimal one
 (``bench.replay.upstream``: answers in microseconds; half the requests stream) and one
 simulated engine (time scale 1000, non-streaming). A router's CPU seconds per request come
-from ``/proc/<pid>/stat`` (utime + stime of it and its children), read around its own
+from the scheduler's run time of its threads and its children's
+(``bench.replay.procs.cpu_seconds``: nanoseconds, not 10 ms ticks), read around its own
 batches only. ``python-floor`` (``bench.replay.floor``) may stand among the routers: the
 cheapest proxy Python has, deciding nothing.
 """

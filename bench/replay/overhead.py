@@ -165,7 +165,7 @@ def overhead_markdown(report: dict[str, Any]) -> str:
         "## Added latency per request (router minus direct, same interleaved run, ms)",
         "",
         "Targets interleaved round by round in rotating order. CPU: the router process's",
-        "utime + stime per request (all its workers for ours:cost*N). req/s: requests over",
+        "run time per request, all threads (all its workers for ours:cost*N). req/s: requests over",
         "the batches' wall time (closed loop: at 16 clients about saturation).",
         "vs sglang: our added p50 over sglang-router's.",
         "",

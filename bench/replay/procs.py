@@ -194,14 +194,22 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of ``pid`` and its live descendants, seconds."""
+    """CPU time of ``pid`` and its live descendants, seconds: the scheduler's nanosecond
+    run time of each live thread (``/proc/PID/task/TID/schedstat``), where the kernel
+    keeps it; else utime + stime, which come in clock ticks (10 ms: at 400 requests a
+    cell, 0.025 ms a request -- coarser than the differences a before/after run looks
+    for). Threads that ended between two readings are not counted by the first way."""
     total, todo = 0.0, [pid]
     while todo:
         p = todo.pop()
         with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / _TICKS
-            for task in Path(f"/proc/{p}/task").iterdir():
+            tasks = list(Path(f"/proc/{p}/task").iterdir())
+            try:
+                total += sum(int((t / "schedstat").read_text().split()[0]) for t in tasks) / 1e9
+            except (OSError, ValueError, IndexError):
+                fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / _TICKS
+            for task in tasks:
                 kids = (task / "children").read_text().split()
                 todo += [int(k) for k in kids]
     return total

@@ -54,3 +54,39 @@ def test_python_floor_relays_answers_byte_for_byte(tmp_path):
     with _floor(f"http://127.0.0.1:{free_port()}", tmp_path) as floor:
         r = httpx.post(f"{floor}/v1/completions", json={"prompt": "x"}, timeout=10)
         assert r.status_code == 502 and b"refused" in r.content
+
+
+def test_cpu_seconds_counts_a_busy_child_finer_than_a_clock_tick():
+    """The overhead benchmark's CPU per request: a child that burns 30 ms of CPU between
+    two readings is counted as that, at the scheduler's resolution, not in 10 ms clock
+    ticks (which made 400 requests' CPU come in steps of 0.025 ms a request)."""
+    import subprocess
+    import sys
+
+    from bench.replay.procs import cpu_seconds
+
+    code = (
+        "import sys, time\n"
+        "print('ready', flush=True); sys.stdin.readline()\n"
+        "t = time.thread_time()\n"
+        "while time.thread_time() - t < 0.03: pass\n"
+        "print('done', flush=True); sys.stdin.readline()\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        assert child.stdout.readline() == "ready\n"
+        before = cpu_seconds(child.pid)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "done\n"
+        spent = cpu_seconds(child.pid) - before
+        assert 0.03 <= spent < 0.045, spent
+        ticks = spent * 100
+        assert abs(ticks - round(ticks)) > 1e-6, f"{spent} s: whole clock ticks"
+    finally:
+        child.stdin.write("\n")
+        child.stdin.flush()
+        child.wait(10)
