@@ -32,12 +32,20 @@ __all__ = ["Recorded", "Samples", "build_snapshot", "summarize_decision"]
 TIERS = ("gpu", "cpu")
 
 
+# A decision for a prompt this long or shorter is kept as decided (its token list and
+# hash lists are small: at most ~3.7 MB over the ring's 50); a longer one is copied
+# without the prompt and with its hashes packed.
+KEEP_AS_IS_TOKENS = 2048
+
+
 @dataclass(slots=True)
 class Recorded:
-    """One forwarded request's routing decision, as decided -- never its prompt: ``of``
-    keeps a copy without the token ids (a 240k-token prompt's list is ~9 MB) and with the
-    block hashes packed as u64 (8 bytes a block instead of ~40), which ``explain`` needs
-    to show the residency the index holds now."""
+    """One forwarded request's routing decision, as decided -- never a long prompt: ``of``
+    keeps a copy of a decision over ``KEEP_AS_IS_TOKENS`` without the token ids (a
+    240k-token prompt's list is ~9 MB) and with the block hashes packed as u64 (8 bytes a
+    block instead of ~40), which ``explain`` needs to show the residency the index holds
+    now. A shorter one is kept as it is: copying it would cost each request more (a few
+    microseconds) than it saves."""
 
     id: int
     ts: float  # wall clock
@@ -46,6 +54,8 @@ class Recorded:
 
     @classmethod
     def of(cls, id: int, ts: float, kind: str, decision: RouteDecision) -> Recorded:
+        if decision.prompt_tokens <= KEEP_AS_IS_TOKENS:
+            return cls(id, ts, kind, decision)
         kept = dataclasses.replace(
             decision,
             # Packed u64 arrays in place of the lists (read back as lists by ``explainable``).
@@ -57,6 +67,8 @@ class Recorded:
 
     def explainable(self) -> RouteDecision:
         """The decision with its hashes as lists again (what ``Router.explain`` reads)."""
+        if all(type(v) is list for v in self.decision.hashes.values()):
+            return self.decision
         hashes = {k: list(v) for k, v in self.decision.hashes.items()}
         return dataclasses.replace(self.decision, hashes=hashes)
 

@@ -84,6 +84,27 @@ def _reason(dec: RouteDecision, policy: str = "cost", uses_scores: bool = True) 
     return summarize_decision(Recorded(1, time.time(), "chat", dec), policy, uses_scores)["reason"]
 
 
+def test_a_long_prompt_is_kept_packed_and_without_its_tokens_a_short_one_as_decided():
+    """The ring of recent decisions never holds a long prompt (#30's memory bound) and
+    costs a short one no copy; ``explainable`` gives the hashes back as lists either way."""
+    from dataclasses import replace
+
+    from router.dashboard.snapshot import KEEP_AS_IS_TOKENS
+
+    a = "http://a:1"
+    base = _decision([Candidate(a)], {a: Breakdown(0.0, 0.01, 0.0)})
+    for tokens in (KEEP_AS_IS_TOKENS, KEEP_AS_IS_TOKENS + 1):
+        ids = list(range(tokens))
+        hashes = {16: [(1 << 63) + i for i in range(tokens // 16)]}
+        dec = replace(base, prompt_tokens=tokens, hashes=hashes, hash_input=(ids, None, None))
+        rec = Recorded.of(1, 0.0, "completion", dec)
+        long = tokens > KEEP_AS_IS_TOKENS
+        assert (rec.decision is dec) is not long
+        assert (rec.decision.hash_input is None) is long
+        assert all((type(v) is list) is not long for v in rec.decision.hashes.values())
+        assert rec.explainable().hashes == hashes
+
+
 def test_reasons_name_what_decided():
     a, b = "http://a:1", "http://b:1"
     hit = _decision(
