@@ -11,20 +11,29 @@ Every chunk key ends at a multiple of ``tokens_per_chunk``, so the GCD of the en
 placeholders seen is the chunk size once two chunk indices without a common factor have
 been seen (chunk 0 is among the first stored of nearly every prompt).
 
-The learner keeps hash -> end only until the answer has held for ``settle_after``
-placeholders in a row, within ``max_tracked`` entries (plus one store's) in two
-generations -- when the newer holds half, the older goes at once: an O(1) swap and one dict
-freed (~0.3 ms at 32k entries, where dropping the oldest half key by key held the event
-loop ~3.6 ms). An instance restarts (forgetting its layout starts a new learner) before
-its chunk size can change. Where the instance's self-describing CPU events tell the size,
-the registry stops it (``stop``): nothing to learn, and nothing kept.
+Until the instance's first placeholder the learner only remembers its last GPU stores
+(up to ``recent_hashes`` hashes, the events as decoded: no work per hash) and places
+nothing: an instance without a CPU tier -- most of a fleet -- costs one append per store
+(placing every chain cost ~10-25 us per 32-block store and up to 6 MB per instance). The
+first placeholder places those remembered stores, then itself: vLLM offloads a chunk after
+its GPU blocks were stored, so its chain is among the last stores.
+
+From then on the learner keeps hash -> end until the answer has held for
+``settle_after`` placeholders in a row, within ``max_tracked`` entries (plus one store's)
+in two generations -- when the newer holds half, the older goes at once: an O(1) swap and
+one dict freed (~0.3 ms at 32k entries, where dropping the oldest half key by key held the
+event loop ~3.6 ms). An instance restarts (forgetting its layout starts a new learner)
+before its chunk size can change. Where the instance's self-describing CPU events tell the
+size, the registry stops it (``stop``): nothing to learn, and nothing kept.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 
-from events.structs import BlockStored, KVEventBatch
+from events.hashing import wire_hashes
+from events.structs import BlockStored, ExternalBlockHash, KVEventBatch
 from router.index.base import to_wire
 
 __all__ = ["ChunkLearner"]
@@ -38,16 +47,24 @@ class ChunkLearner:
     """Tokens per CPU chunk from placeholder CPU events placed in GPU hash chains."""
 
     __slots__ = (
-        "_ends", "_older", "max_tracked", "placed", "settle_after", "settled", "tokens_per_chunk",
+        "_ends", "_older", "_recent", "_recent_n", "max_tracked", "placed", "placing",
+        "recent_hashes", "settle_after", "settled", "tokens_per_chunk",
     )  # fmt: skip
 
-    def __init__(self, *, max_tracked: int = 65536, settle_after: int = 64) -> None:
+    def __init__(
+        self, *, max_tracked: int = 65536, settle_after: int = 64, recent_hashes: int = 8192
+    ) -> None:
         self._ends: dict[int, int] = {}  # wire hash -> tokens its block ends at (newest)
         self._older: dict[int, int] = {}  # the generation before (looked up second)
+        # GPU stores remembered until the first placeholder: (parent, hashes, block size).
+        self._recent: deque[tuple[ExternalBlockHash | None, list[ExternalBlockHash], int]] = deque()
+        self._recent_n = 0  # hashes in _recent
         self.max_tracked = max_tracked
+        self.recent_hashes = recent_hashes
         self.settle_after = settle_after
         self.tokens_per_chunk: int | None = None
         self.placed = 0  # placeholders placed since the answer last changed
+        self.placing = False  # a placeholder was seen: GPU chains are placed as they come
         self.settled = False
 
     def stop(self) -> None:
@@ -56,6 +73,8 @@ class ChunkLearner:
         per instance: most of a cold router's memory in front of a fleet) goes."""
         self.settled = True
         self._ends, self._older = {}, {}
+        self._recent.clear()
+        self._recent_n = 0
 
     def _end(self, h: int) -> int | None:
         end = self._ends.get(h)
@@ -71,8 +90,13 @@ class ChunkLearner:
                 continue
             if ev.medium in (None, "GPU"):
                 if ev.block_size > 0 and ev.kv_cache_spec_kind in _CONTIGUOUS:
-                    self._chain(ev)
+                    if self.placing:
+                        self._chain(ev.parent_block_hash, ev.block_hashes, ev.block_size)
+                    else:
+                        self._remember(ev)
             elif ev.block_size == 0 and len(ev.block_hashes) == 1:  # a placeholder
+                if not self.placing:
+                    self._start_placing()
                 end = self._end(_wire(ev.block_hashes[0]))
                 if end is None:
                     continue  # its chain was announced before we listened
@@ -86,16 +110,31 @@ class ChunkLearner:
                         return changed
         return changed
 
-    def _chain(self, ev: BlockStored) -> None:
-        if ev.parent_block_hash is None:
+    def _remember(self, ev: BlockStored) -> None:
+        recent = self._recent
+        recent.append((ev.parent_block_hash, ev.block_hashes, ev.block_size))
+        self._recent_n += len(ev.block_hashes)
+        while self._recent_n > self.recent_hashes and len(recent) > 1:
+            self._recent_n -= len(recent.popleft()[1])
+
+    def _start_placing(self) -> None:
+        self.placing = True
+        for parent, hashes, block_size in self._recent:
+            self._chain(parent, hashes, block_size)
+        self._recent.clear()
+        self._recent_n = 0
+
+    def _chain(
+        self, parent: ExternalBlockHash | None, block_hashes: list[ExternalBlockHash], bs: int
+    ) -> None:
+        if parent is None:
             base = 0
         else:
-            found = self._end(_wire(ev.parent_block_hash))
+            found = self._end(_wire(parent))
             if found is None:
                 return  # the chain's start was not seen: its positions are unknown
             base = found
-        bs = ev.block_size
-        hashes = [h if type(h) is int else to_wire(h) for h in ev.block_hashes]  # _wire, inlined
+        hashes = wire_hashes(block_hashes)
         ends = self._ends
         ends.update(zip(hashes, range(base + bs, base + bs * (len(hashes) + 1), bs), strict=True))
         if len(ends) >= self.max_tracked // 2:  # a new generation; the oldest half goes

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from events.hashing import wire_hashes
 from events.structs import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from router.index.base import ApplyResult, Residency, SeqBatch, Tier, slot_of, tier_of, to_wire
 from router.index.table import block_table
@@ -180,10 +181,10 @@ class MemoryIndex:
         st.mask |= 1 << col
         return col
 
-    def _store(self, col: int, hashes: Iterable[Any]) -> int:
+    def _store(self, col: int, hashes: Sequence[Any]) -> int:
         got = self._table.store(col, hashes)
         if got is None:  # not all wire ints: convert, then the same call
-            got = self._table.store(col, [to_wire(h) for h in hashes])
+            got = self._table.store(col, wire_hashes(hashes))
             assert got is not None  # every hash a wire int now
         n, fresh = got
         log = self._logs[col]
@@ -192,10 +193,10 @@ class MemoryIndex:
         self._live[col] += len(fresh) // 8
         return n
 
-    def _remove(self, col: int, hashes: Iterable[Any]) -> int:
+    def _remove(self, col: int, hashes: Sequence[Any]) -> int:
         got = self._table.remove(col, hashes)
         if got is None:
-            got = self._table.remove(col, [to_wire(h) for h in hashes])
+            got = self._table.remove(col, wire_hashes(hashes))
             assert got is not None  # every hash a wire int now
         done, released = got
         if released:
@@ -264,7 +265,7 @@ class MemoryIndex:
         hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
         out = self._table.lookup(hashes, keep, self._owner)
         if out is None:  # not all wire ints: convert, then the same call
-            out = self._table.lookup([to_wire(h) for h in hashes], keep, self._owner)
+            out = self._table.lookup(wire_hashes(hashes), keep, self._owner)
             assert out is not None  # every hash a wire int now
         return out
 

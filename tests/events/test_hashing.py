@@ -18,6 +18,7 @@ from events.hashing import (
     none_hash,
     resolve_none_hash_seed,
     wire_hash,
+    wire_hashes,
 )
 
 
@@ -129,3 +130,19 @@ def test_block_extra_keys_are_vllms_lora_on_every_block_and_salt_on_block_0(
     assert salted == [(("cache_salt", "s"),), None, None]
     assert [event_extra_keys(k) for k in salted] == [("s",), None, None]
     assert block_extra_keys(3) is None and block_extra_keys(3, cache_salt="") is None
+
+
+_DIGESTS = st.sampled_from([32, 24, 8]).flatmap(
+    lambda n: st.lists(st.binary(min_size=n, max_size=n), min_size=10, max_size=40)
+)
+_MIXED = st.lists(
+    st.one_of(st.binary(min_size=8, max_size=40), st.integers(min_value=0, max_value=1 << 72)),
+    max_size=40,
+)
+
+
+@given(st.one_of(_DIGESTS, _MIXED, st.tuples(_DIGESTS, _MIXED).map(lambda p: p[0] + p[1])))
+def test_wire_hashes_is_wire_hash_of_each_for_any_mix(hashes):
+    """The batched conversion (one numpy pass for a run of same-length digests) gives what
+    ``wire_hash`` gives each: one length, mixed lengths, ints among them, short lists."""
+    assert wire_hashes(hashes) == [wire_hash(h) for h in hashes]

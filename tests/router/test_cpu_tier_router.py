@@ -124,6 +124,7 @@ def test_the_tracked_chains_stay_bounded_and_a_chain_spanning_two_generations_st
     """Up to ``max_tracked`` hashes (plus one store's) in two generations: the older goes
     whole when the newer holds half; a chain whose start went to the older one extends."""
     learner = ChunkLearner(max_tracked=8)
+    learner.observe(batch(placeholder(1)))  # a CPU tier: chains are placed from now on
     first = chain(3)
     learner.observe(batch(gpu_store(first)))  # 3 tracked (newest generation)
     rest = chain(3, 9000)
@@ -136,6 +137,23 @@ def test_the_tracked_chains_stay_bounded_and_a_chain_spanning_two_generations_st
     for k in range(10):  # many chains later: never over max_tracked
         learner.observe(batch(gpu_store(chain(3, 20_000 + 10 * k))))
         assert len(learner._ends) + len(learner._older) <= 8 + 3
+
+
+def test_without_a_placeholder_gpu_stores_are_only_remembered_then_placed_at_the_first():
+    """An instance with no CPU tier costs the learner one append per GPU store, bounded by
+    ``recent_hashes``; the first placeholder places the remembered stores, then itself."""
+    learner = ChunkLearner(recent_hashes=6)
+    old = chain(4, 5000)
+    learner.observe(batch(gpu_store(old)))
+    hs = chain(6)
+    learner.observe(batch(gpu_store(hs[:3]), gpu_store(hs[3:], parent=hs[2])))
+    assert not learner.placing and learner._ends == {} and learner._older == {}
+    assert [len(r[1]) for r in learner._recent] == [3, 3]  # the oldest store went
+    assert learner.observe(batch(placeholder(hs[1]), placeholder(hs[5])))  # ends 2 and 6
+    assert learner.placing and learner.tokens_per_chunk == 2 * BS and not learner._recent
+    assert not learner.observe(batch(placeholder(old[1])))  # forgotten: not placed
+    learner.observe(batch(gpu_store(chain(3, 7000))))  # placing now: placed as they come
+    assert learner._ends[7002] == 3 * BS
 
 
 def test_window_and_mamba_stores_do_not_place_hashes():
@@ -234,10 +252,11 @@ def test_self_describing_events_stop_the_placeholder_learner_and_its_table():
     reg = LayoutRegistry()
     hs = chain(8)
     reg.observe("a", batch(gpu_store(hs[:4])))
-    assert reg._placed["a"]._ends  # chains are tracked until the size is known
+    assert reg._placed["a"]._recent  # stores are remembered until the size is known
     reg.observe("a", batch(gpu_store(hs[4:], parent=hs[3]), self_describing(hs[:2], None)))
     reg.observe("a", batch(gpu_store(chain(64, 9000))))
-    assert reg._placed["a"]._ends == {} and reg._placed["a"].settled
+    learner = reg._placed["a"]
+    assert learner._ends == {} and not learner._recent and learner.settled
     assert reg.get("a").tokens_per_chunk == 2 * BS  # type: ignore[union-attr]
 
 
