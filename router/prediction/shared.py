@@ -164,11 +164,22 @@ class SharedPredictions:
         log.info("replica %s shares predictions on %s", self.replica, self.channel)
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        # gather, not ``suppress(CancelledError)`` around each: a cancellation of close()
-        # itself still propagates.
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Cancel until each task ended: a cancellation can be lost where it lands as a
+        # wait inside redis-py or asyncio completes (Python 3.11), and one lost cancel
+        # must not leave close() waiting for good. asyncio.wait never swallows close()'s
+        # own cancellation.
+        for _ in range(100):
+            pending = [t for t in self._tasks if not t.done()]
+            if not pending:
+                break
+            for t in pending:
+                t.cancel()
+            await asyncio.wait(pending, timeout=0.1)
+        else:
+            log.warning("replica share: a task did not stop after 100 cancellations")
+        for t in self._tasks:  # retrieve what each ended with (never re-raised here)
+            if t.done() and not t.cancelled():
+                t.exception()
         self._tasks = []
         if self._pubsub is not None:
             with contextlib.suppress(Exception):
