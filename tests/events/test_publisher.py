@@ -111,6 +111,13 @@ def _wait_idle(pub: ZmqEventPublisher) -> None:
 def test_an_idle_publisher_answers_replay_without_waiting_out_its_poll(no_idle_polling, pub_sub):
     pub, _, replay = pub_sub
     pub.publish(make_batch(0))
+    # Sent (so buffered) before the first replay: a replay request the thread wakes to in
+    # the same poll as the batch is served first, with what was sent until then (as vLLM's
+    # publisher thread does), and the batch follows live.
+    deadline = time.monotonic() + 5
+    while pub.published < 1:
+        assert time.monotonic() < deadline, "the batch was never sent"
+        time.sleep(0.005)
     for _ in range(3):
         _wait_idle(pub)
         body = replay_request(replay, 0, timeout=10.0)[:-1]  # a poll-bound wait: 60 s
