@@ -80,7 +80,7 @@ async def test_close_right_after_a_record_returns(redis_server):
     cancellation must not be lost (Python 3.11's ``wait_for`` returned the event's result
     and dropped it, so ``close`` waited on a publisher that never stopped)."""
     for i in range(20):
-        (a,) = [_Replica(redis_server.url, f"{new_namespace()}:replicas")]
+        a = _Replica(redis_server.url, f"{new_namespace()}:replicas")
         await a.share.start()
         await asyncio.sleep(0.02)  # the publisher is parked on its wake-up event
         a.share.record(E1, i, {0: [1, 2]}, whole=1)
