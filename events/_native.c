@@ -437,18 +437,15 @@ pack_u32(PyObject *self, PyObject *obj)
     return out;
 }
 
-PyDoc_STRVAR(common_prefix_doc,
-"common_prefix(a, b) -> int: how many leading bytes two bytes-like objects share\n"
-"(router.prompt_hashes finds where a prompt leaves the last one that began the same way).");
+PyDoc_STRVAR(longest_prefix_doc,
+"longest_prefix(candidates, b, unit) -> (index, items): the candidate (a list of bytes)\n"
+"sharing the most whole unit-byte items with b from the start, the last one on ties;\n"
+"(-1, 0) when none shares one (events.hashing.longest_prefix is the reference).");
 
-static PyObject *
-common_prefix(PyObject *self, PyObject *args)
+static Py_ssize_t
+shared_bytes(const unsigned char *p, const unsigned char *q, Py_ssize_t n)
 {
-    Py_buffer a, b;
-    if (!PyArg_ParseTuple(args, "y*y*", &a, &b))
-        return NULL;
-    Py_ssize_t n = a.len < b.len ? a.len : b.len, i = 0;
-    const unsigned char *p = a.buf, *q = b.buf;
+    Py_ssize_t i = 0;
     while (i + 8 <= n) { /* a word at a time, then the bytes of the first differing one */
         uint64_t x, y;
         memcpy(&x, p + i, 8);
@@ -459,16 +456,48 @@ common_prefix(PyObject *self, PyObject *args)
     }
     while (i < n && p[i] == q[i])
         i++;
-    PyBuffer_Release(&a);
-    PyBuffer_Release(&b);
-    return PyLong_FromSsize_t(i);
+    return i;
+}
+
+static PyObject *
+longest_prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyList_Check(args[0]) || !PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "longest_prefix(list of bytes, bytes, unit)");
+        return NULL;
+    }
+    Py_ssize_t unit = PyLong_AsSsize_t(args[2]);
+    if (unit == -1 && PyErr_Occurred())
+        return NULL;
+    if (unit <= 0) {
+        PyErr_SetString(PyExc_ValueError, "unit must be positive");
+        return NULL;
+    }
+    PyObject *cands = args[0];
+    const unsigned char *q = (const unsigned char *)PyBytes_AS_STRING(args[1]);
+    Py_ssize_t qlen = PyBytes_GET_SIZE(args[1]), best = 0, at = -1;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(cands); i++) {
+        PyObject *a = PyList_GET_ITEM(cands, i);
+        if (!PyBytes_Check(a)) {
+            PyErr_SetString(PyExc_TypeError, "longest_prefix: candidates must be bytes");
+            return NULL;
+        }
+        Py_ssize_t alen = PyBytes_GET_SIZE(a);
+        Py_ssize_t items = shared_bytes((const unsigned char *)PyBytes_AS_STRING(a), q,
+                                        alen < qlen ? alen : qlen) / unit;
+        if (items > 0 && items >= best) {
+            best = items;
+            at = i;
+        }
+    }
+    return Py_BuildValue("(nn)", at, best);
 }
 
 static PyMethodDef methods[] = {
     {"sha256_cbor_chain", sha256_cbor_chain, METH_VARARGS, sha256_cbor_doc},
     {"sha256_pickle_chain", sha256_pickle_chain, METH_VARARGS, sha256_pickle_doc},
     {"pack_u32", pack_u32, METH_O, pack_u32_doc},
-    {"common_prefix", common_prefix, METH_VARARGS, common_prefix_doc},
+    {"longest_prefix", (PyCFunction)(void (*)(void))longest_prefix, METH_FASTCALL, longest_prefix_doc},
     {NULL, NULL, 0, NULL},
 };
 

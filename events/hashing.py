@@ -146,9 +146,6 @@ def packed_u32(ids: Sequence[int]) -> bytes | None:
 
 def common_prefix(a: bytes, b: bytes, unit: int = 1) -> int:
     """How many whole ``unit``-byte items two byte strings share from the start."""
-    if _native is not None:
-        same: int = _native.common_prefix(a, b)
-        return same // unit
     m = min(len(a), len(b)) // unit
     if a[: m * unit] == b[: m * unit]:
         return m
@@ -160,6 +157,22 @@ def common_prefix(a: bytes, b: bytes, unit: int = 1) -> int:
         else:
             hi = mid
     return lo
+
+
+def longest_prefix(candidates: list[bytes], b: bytes, unit: int) -> tuple[int, int]:
+    """``(index, items)``: the candidate sharing the most whole ``unit``-byte items with
+    ``b`` from the start (the last of equals: callers keep the most recent last), or
+    ``(-1, 0)`` when none shares one. One native call for all candidates: comparing each in
+    its own call cost more in calls than in bytes (a prompt start keeps up to 8)."""
+    if _native is not None:
+        found: tuple[int, int] = _native.longest_prefix(candidates, b, unit)
+        return found
+    at, best = -1, 0
+    for i, a in enumerate(candidates):
+        items = common_prefix(a, b, unit)
+        if items and items >= best:
+            at, best = i, items
+    return at, best
 
 
 def block_extra_keys(

@@ -5,10 +5,11 @@ prompt repeats a previous one's leading blocks token for token (the next turn of
 conversation, a shared system prompt, a retry), their digests are the previous prompt's,
 exactly: only the blocks after the common prefix are hashed. The previous prompt is found
 by its first block (with the block size and ``cache_salt``, which enter the chain), and
-the common prefix by one comparison of the two prompts' packed ids (``common_prefix``, a
-word-at-a-time pass in ``events._native``: numpy's compare and search cost more in calls
-than in bytes). Without the native hasher hashing is the largest part of a decision
-(~0.35 ms of ~0.7 for an 8k-token prompt), and most traffic repeats prefixes.
+the common prefix by comparing packed ids (``longest_prefix``: one word-at-a-time pass
+over every kept chain of that start in ``events._native``; numpy's compare and search,
+or one call per chain, cost more in calls than in bytes). Without the native hasher
+hashing is the largest part of a decision (~0.35 ms of ~0.7 for an 8k-token prompt), and
+most traffic repeats prefixes.
 
 Several prompts may begin alike and then diverge (one system prompt before many
 documents, agents sharing a preamble): each start keeps its ``per_start`` most recent
@@ -32,8 +33,8 @@ from events.hashing import (
     DIGEST_SIZES,
     block_extra_keys,
     chain_digests,
-    common_prefix,
     hash_request_blocks,
+    longest_prefix,
     none_hash,
     packed_u32,
     wire_hashes,
@@ -47,6 +48,14 @@ class _Chain(NamedTuple):
     tokens: bytes  # the prompt's full blocks' token ids, native uint32
     digests: bytes  # back to back, DIGEST_SIZES[algo] bytes each
     wires: list[int]
+
+
+class _Start(NamedTuple):
+    """One prompt start's chains, oldest first, and their ``tokens`` in the same order
+    (what ``longest_prefix`` compares, without building a list per prompt)."""
+
+    chains: list[_Chain]
+    tokens: list[bytes]
 
 
 class PromptHashes:
@@ -63,7 +72,7 @@ class PromptHashes:
         self.enabled = none_hash(algo, seed) == none_hash(algo, seed)
         self._size = DIGEST_SIZES[algo]
         # start -> its chains, most recent last
-        self._chains: OrderedDict[tuple, list[_Chain]] = OrderedDict()
+        self._chains: OrderedDict[tuple, _Start] = OrderedDict()
         self._tokens = 0  # packed tokens over all kept chains
         self.reused_blocks = 0  # for tests and /debug: blocks not re-hashed
         self.hashed_blocks = 0
@@ -93,12 +102,12 @@ class PromptHashes:
         unit = 4 * block_size  # bytes of one block's ids
         packed = packed[: n * unit]
         key = (block_size, salt, lora, packed[:unit])
-        chains = self._chains.get(key)
-        prev, reuse = None, 0
-        for chain in reversed(chains or ()):  # the most recent first wins ties
-            common = common_prefix(chain.tokens, packed, unit)
-            if common > reuse:
-                prev, reuse = chain, common
+        start = self._chains.get(key)
+        prev, at, reuse = None, -1, 0
+        if start is not None:  # the most recent of equals wins
+            at, reuse = longest_prefix(start.tokens, packed, unit)
+            if at >= 0:
+                prev = start.chains[at]
         if prev is not None and reuse == n:
             self._chains.move_to_end(key)
             self.reused_blocks += n
@@ -120,32 +129,37 @@ class PromptHashes:
             wires = prev.wires[:reuse] + wires
         self.reused_blocks += reuse
         self.hashed_blocks += n - reuse
-        self._keep(key, prev, _Chain(packed, done + tail, wires))
+        # The new chain extends ``prev`` (the next turn of a conversation): it takes its place.
+        extends = at if prev is not None and len(prev.tokens) == reuse * unit else -1
+        self._keep(key, extends, _Chain(packed, done + tail, wires))
         return wires
 
-    def _keep(self, key: tuple, prev: _Chain | None, chain: _Chain) -> None:
-        """Keep ``chain`` as its start's most recent, in place of ``prev`` when it extends
-        it (the next turn of a conversation); then drop the oldest past the bounds."""
-        chains = self._chains.setdefault(key, [])
-        self._chains.move_to_end(key)
-        if (
-            prev is not None
-            and len(prev.tokens) <= len(chain.tokens)
-            and chain.tokens.startswith(prev.tokens)
-        ):
-            chains.remove(prev)
-            self._tokens -= len(prev.tokens) // 4
+    def _keep(self, key: tuple, extends: int, chain: _Chain) -> None:
+        """Keep ``chain`` as its start's most recent, in place of the chain at ``extends``
+        (-1: none) that it extends; then drop the oldest past the bounds."""
+        start = self._chains.get(key)
+        if start is None:
+            start = self._chains[key] = _Start([], [])
+        else:
+            self._chains.move_to_end(key)
+        chains, tokens = start
+        if extends >= 0:
+            del chains[extends]
+            self._tokens -= len(tokens.pop(extends)) // 4
         chains.append(chain)
+        tokens.append(chain.tokens)
         self._tokens += len(chain.tokens) // 4
         if len(chains) > self.per_start:
-            self._tokens -= len(chains.pop(0).tokens) // 4
+            del chains[0]
+            self._tokens -= len(tokens.pop(0)) // 4
         while self._chains and (
             len(self._chains) > self.capacity or self._tokens > self.max_tokens
         ):
             oldest = next(iter(self._chains))
             dropped = self._chains[oldest]
-            self._tokens -= len(dropped.pop(0).tokens) // 4
-            if not dropped:
+            del dropped.chains[0]
+            self._tokens -= len(dropped.tokens.pop(0)) // 4
+            if not dropped.chains:
                 del self._chains[oldest]
-            if oldest == key and not dropped:
-                break
+                if oldest == key:
+                    break

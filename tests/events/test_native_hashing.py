@@ -125,19 +125,44 @@ def test_packed_u32_packs_small_ids_and_refuses_odd_ones(native):
             assert hashing.packed_u32(odd) is None
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
-def test_common_prefix_counts_whole_items_shared_from_the_start(native):
+def test_longest_prefix_native_equals_the_reference_and_counts_whole_items():
+    """The native ``longest_prefix`` against the Python one on random candidate lists
+    (ties, none shared, empty and partial items), and both against numpy's first
+    difference."""
     rng = np.random.default_rng(1)
-    with hashing_path(native):
-        for _ in range(300):
-            a = rng.integers(0, 4, size=int(rng.integers(0, 40)), dtype=np.uint32)
-            b = a.copy() if rng.random() < 0.3 else rng.integers(0, 4, size=len(a), dtype=np.uint32)
-            b = b[: int(rng.integers(0, len(b) + 1))] if rng.random() < 0.5 else b
-            m = min(len(a), len(b))
-            diff = np.flatnonzero(a[:m] != b[:m])
-            want = int(diff[0]) if diff.size else m
-            assert hashing.common_prefix(a.tobytes(), b.tobytes(), 4) == want
-            assert hashing.common_prefix(b.tobytes(), a.tobytes(), 4) == want
+    for _ in range(400):
+        unit = int(rng.choice([1, 4, 8, 64]))
+        b = rng.integers(0, 3, size=int(rng.integers(0, 40)), dtype=np.uint32)
+        cands = []
+        for _ in range(int(rng.integers(0, 6))):
+            a = b.copy() if rng.random() < 0.4 else rng.integers(0, 3, size=len(b), dtype=np.uint32)
+            cands.append(a[: int(rng.integers(0, len(a) + 1))].tobytes())
+        raw = b.tobytes()
+        want_at, want = -1, 0
+        for i, a in enumerate(cands):
+            x, y = np.frombuffer(a, np.uint8), np.frombuffer(raw, np.uint8)
+            m = min(len(x), len(y))
+            diff = np.flatnonzero(x[:m] != y[:m])
+            items = (int(diff[0]) if diff.size else m) // unit
+            if items and items >= want:
+                want_at, want = i, items
+        with hashing_path(False):
+            assert hashing.longest_prefix(cands, raw, unit) == (want_at, want)
+        if BUILT:
+            with hashing_path(True):
+                assert hashing.longest_prefix(cands, raw, unit) == (want_at, want)
+
+
+@pytest.mark.skipif(not BUILT, reason="events._native is not built")
+def test_longest_prefix_rejects_what_is_not_a_list_of_bytes():
+    from events import _native
+
+    with pytest.raises(TypeError):
+        _native.longest_prefix([b"ab", "ab"], b"ab", 1)
+    with pytest.raises(TypeError):
+        _native.longest_prefix((b"ab",), b"ab", 1)
+    with pytest.raises(ValueError):
+        _native.longest_prefix([b"ab"], b"ab", 0)
 
 
 @settings(max_examples=60, deadline=None)

@@ -87,4 +87,19 @@ def test_kept_chains_stay_within_their_token_budget() -> None:
         ids = [1] * 16 + [rng.randrange(50_000) for _ in range(304)]  # one start, 320 tokens
         assert cache.wire_hashes(ids, 16, None) == _scratch(ids, 16, "sha256_cbor", None)
         assert cache._tokens <= 1000
-        assert cache._tokens == sum(len(c.tokens) // 4 for cs in cache._chains.values() for c in cs)
+        starts = list(cache._chains.values())
+        assert cache._tokens == sum(len(c.tokens) // 4 for st in starts for c in st.chains)
+        assert all(st.tokens == [c.tokens for c in st.chains] for st in starts)
+
+
+def test_a_conversation_keeps_one_chain_each_turn_replacing_the_one_it_extends() -> None:
+    rng = random.Random(5)
+    cache = PromptHashes("sha256_cbor", "s")
+    ids: list[int] = []
+    for _ in range(12):
+        ids = ids + [rng.randrange(50_000) for _ in range(48)]  # 3 more blocks a turn
+        assert cache.wire_hashes(ids, 16, None) == _scratch(ids, 16, "sha256_cbor", None)
+        (start,) = cache._chains.values()
+        assert [len(c.tokens) // 4 for c in start.chains] == [len(ids)]
+    assert cache._tokens == len(ids)
+    assert cache.hashed_blocks == len(ids) // 16  # every block hashed once
