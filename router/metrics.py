@@ -1,7 +1,10 @@
 """The router's Prometheus metrics (one registry per router; ingest adds its own).
 
 Hot-path children are bound once (``stage_*``, ``instance(url)``): ``labels()`` costs a
-lock and a dict lookup per call, several per request.
+lock and a dict lookup per call, several per request. Their updates go through
+``FastObserve`` / ``FastCounter`` / ``FastGauge``: the child's own value written without
+its lock, as only the event loop writes them (prometheus_client's methods are three
+Python calls and a lock each; a request makes about ten).
 """
 
 from __future__ import annotations
@@ -50,18 +53,52 @@ class FastObserve:
             self._buckets[bisect_left(self._bounds, amount)]._value += 1
 
 
+def _plain_value(child: Any) -> Any:
+    """The child's in-process ``MutexValue`` (prometheus_client 0.20-0.26), or None where
+    it keeps its value elsewhere (multiprocess mode): then its own methods are used."""
+    value = getattr(child, "_value", None)
+    return value if type(value) is MutexValue else None
+
+
+class FastCounter:
+    """A bound counter child's ``inc`` as one addition (callers pass amounts >= 0, as
+    prometheus_client requires; it is not checked again here)."""
+
+    __slots__ = ("_value", "inc")
+
+    def __init__(self, child: Any) -> None:
+        self._value = _plain_value(child)
+        self.inc = self._inc if self._value is not None else child.inc
+
+    def _inc(self, amount: float = 1) -> None:
+        self._value._value += amount
+
+
+class FastGauge:
+    """A bound gauge child's ``set`` as one assignment."""
+
+    __slots__ = ("_value", "set")
+
+    def __init__(self, child: Any) -> None:
+        self._value = _plain_value(child)
+        self.set = self._set if self._value is not None else child.set
+
+    def _set(self, value: float) -> None:
+        self._value._value = float(value)
+
+
 @dataclass(slots=True)
 class InstanceMetrics:
     """One instance's bound children."""
 
-    ok: Any
-    upstream_4xx: Any
-    upstream_5xx: Any
-    connect_error: Any
-    broken_stream: Any
-    inflight: Any
-    running: Any
-    ttft: Any
+    ok: FastCounter
+    upstream_4xx: FastCounter
+    upstream_5xx: FastCounter
+    connect_error: FastCounter
+    broken_stream: FastCounter
+    inflight: FastGauge
+    running: FastGauge
+    ttft: FastObserve
 
 
 _ERR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096)
@@ -149,8 +186,8 @@ class RouterMetrics:
         )  # fmt: skip
         for name in STAGES:
             setattr(self, f"stage_{name}", FastObserve(self.stage.labels(name)))
-        self.retry_next = self.retries.labels("next_instance")
-        self.retry_same = self.retries.labels("same_instance")
+        self.retry_next = FastCounter(self.retries.labels("next_instance"))
+        self.retry_same = FastCounter(self.retries.labels("same_instance"))
         self._instances: dict[str, InstanceMetrics] = {}
 
     def instance(self, url: str) -> InstanceMetrics:
@@ -158,13 +195,13 @@ class RouterMetrics:
         if m is None:
             req = self.requests
             m = self._instances[url] = InstanceMetrics(
-                ok=req.labels(url, "ok"),
-                upstream_4xx=req.labels(url, "upstream_4xx"),
-                upstream_5xx=req.labels(url, "upstream_5xx"),
-                connect_error=req.labels(url, "connect_error"),
-                broken_stream=req.labels(url, "broken_stream"),
-                inflight=self.inflight.labels(url),
-                running=self.running.labels(url),
+                ok=FastCounter(req.labels(url, "ok")),
+                upstream_4xx=FastCounter(req.labels(url, "upstream_4xx")),
+                upstream_5xx=FastCounter(req.labels(url, "upstream_5xx")),
+                connect_error=FastCounter(req.labels(url, "connect_error")),
+                broken_stream=FastCounter(req.labels(url, "broken_stream")),
+                inflight=FastGauge(self.inflight.labels(url)),
+                running=FastGauge(self.running.labels(url)),
                 ttft=FastObserve(self.ttft.labels(url)),
             )
         return m

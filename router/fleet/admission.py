@@ -86,6 +86,7 @@ class AdmissionController:
             "kvroute_router_admission_queue_depth", "Requests waiting for a free instance.",
             registry=r,
         )  # fmt: skip
+        self.depth.set_function(lambda: len(self._queue))  # read when scraped
         self.wait_seconds = Histogram(
             "kvroute_router_admission_wait_seconds", "Time admitted requests waited.",
             registry=r, buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
@@ -145,7 +146,6 @@ class AdmissionController:
         fut: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
         entry = (fut, pool)
         self._queue.append(entry)
-        self.depth.set(len(self._queue))
         t0 = time.monotonic()
         try:
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a client's
@@ -155,7 +155,6 @@ class AdmissionController:
         except TimeoutError:
             if not fut.done():
                 self._queue.remove(entry)
-                self.depth.set(len(self._queue))
                 return self._reject(
                     "timeout", f"every instance busy for {c.timeout_s:g} s; try later"
                 )
@@ -163,7 +162,6 @@ class AdmissionController:
         except asyncio.CancelledError:  # the client went away while queued
             if entry in self._queue:
                 self._queue.remove(entry)
-                self.depth.set(len(self._queue))
             elif fut.done():
                 fut.result().release()
             raise
@@ -201,7 +199,6 @@ class AdmissionController:
             if self._has_room(pool):
                 self._queue.remove(entry)
                 fut.set_result(self._issue(pool))
-        self.depth.set(len(self._queue))
 
     def describe(self, pool: Sequence[Instance]) -> dict[str, Any]:
         """``/debug/route``: thresholds, queue and each instance's busy reason."""

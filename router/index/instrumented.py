@@ -12,6 +12,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 from events.structs import KVEventBatch
 from router.index.base import ApplyResult, BlockIndex, Residency, SeqBatch
+from router.metrics import FastObserve
 
 __all__ = ["IndexMetrics", "InstrumentedIndex"]
 
@@ -35,11 +36,13 @@ class IndexMetrics:
             buckets=_BUCKETS,
             registry=reg,
         )
-        self.lookup_seconds = Histogram(
-            "kvroute_index_lookup_seconds",
-            "Time for one lookup.",
-            buckets=_BUCKETS,
-            registry=reg,
+        self.lookup_seconds = FastObserve(  # once per routed request
+            Histogram(
+                "kvroute_index_lookup_seconds",
+                "Time for one lookup.",
+                buckets=_BUCKETS,
+                registry=reg,
+            )
         )
 
 

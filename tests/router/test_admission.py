@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+from prometheus_client import CollectorRegistry
+
 from router.fleet.admission import AdmissionConfig, AdmissionController, Rejected, Ticket
 from router.fleet.instances import Instance
 from router.fleet.specs import InstanceSpec
@@ -16,7 +18,8 @@ def _inst(name: str = "http://a:1") -> Instance:
 
 async def test_a_freed_slot_admits_exactly_the_oldest_waiter():
     inst = _inst()
-    ctl = AdmissionController(AdmissionConfig(max_inflight=1, timeout_s=30))
+    reg = CollectorRegistry()
+    ctl = AdmissionController(AdmissionConfig(max_inflight=1, timeout_s=30), registry=reg)
     first = await ctl.admit([inst])
     assert isinstance(first, Ticket)
     inst.inflight_requests = 1  # its forward started ...
@@ -24,6 +27,7 @@ async def test_a_freed_slot_admits_exactly_the_oldest_waiter():
     waiters = [asyncio.create_task(ctl.admit([inst])) for _ in range(3)]
     await asyncio.sleep(0)
     assert ctl.describe([inst])["queue_depth"] == 3
+    assert reg.get_sample_value("kvroute_router_admission_queue_depth") == 3
     inst.inflight_requests = 0  # the request ended
     ctl.notify()  # synchronous: the queue's head is admitted now, and only it
     assert ctl.describe([inst])["queue_depth"] == 2
@@ -32,6 +36,7 @@ async def test_a_freed_slot_admits_exactly_the_oldest_waiter():
     waiters[1].cancel()  # a client that went away leaves the queue
     await asyncio.gather(waiters[1], return_exceptions=True)
     assert ctl.describe([inst])["queue_depth"] == 1
+    assert reg.get_sample_value("kvroute_router_admission_queue_depth") == 1  # read when scraped
     waiters[0].result().release()  # never forwarded: its slot frees again
     assert ctl.describe([inst])["queue_depth"] == 0
     assert isinstance(await asyncio.wait_for(waiters[2], 5), Ticket)
