@@ -126,9 +126,12 @@ class Router:
         healthy = list(instances) if instances is not None else self.registry.healthy()
         if not healthy:
             return None
-        # remote: the least busy API server of the pool tokenizes
-        at = min(healthy, key=_busy).http_url if self.tokenizer.remote else None
-        ids, packed = await self.tokenizer.prompt_ids_packed(body, kind, at)
+        tokenizer = self.tokenizer
+        if tokenizer.remote:  # the least busy API server of the pool tokenizes
+            at = min(healthy, key=_busy).http_url
+            ids, packed = await tokenizer.prompt_ids_packed(body, kind, at)
+        else:
+            ids, packed = tokenizer.local_ids(body, kind)
         m = self.metrics
         t_hash = time.perf_counter()
         m.stage_tokenize.observe(t_hash - t0)

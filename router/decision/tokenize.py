@@ -37,9 +37,6 @@ class RoutingTokenizer:
         self._local: Tokenizer | None = None if self.remote else load_tokenizer(spec)
         self._client = client
         self._pick = pick_instance
-        # The last token-id prompt checked and its packing, until prompt_ids_packed takes
-        # it (no await between the check and the taking: never another request's).
-        self._checked: tuple[list[Any], bytes] | None = None
 
     async def prompt_ids(
         self, body: dict[str, Any], kind: str, instance: str | None = None
@@ -54,46 +51,44 @@ class RoutingTokenizer:
         """``prompt_ids``, and for a prompt given as token ids the native uint32 packing
         its check made (``events.hashing.packed_u32``; None otherwise): the prompt's
         hashes start from it instead of packing a 240k-token prompt a second time."""
-        ids = await self._prompt_ids(body, kind, instance)
-        checked, self._checked = self._checked, None
-        return ids, checked[1] if checked is not None and checked[0] is ids else None
-
-    async def _prompt_ids(
-        self, body: dict[str, Any], kind: str, instance: str | None
-    ) -> list[int] | None:
-        self._checked = None
+        if not self.remote:
+            return self.local_ids(body, kind)
         extra = {"model": body["model"]} if isinstance(body.get("model"), str) else {}
         if kind == "chat":
             messages = body.get("messages")
             if not isinstance(messages, list):
-                return None
-            if self.remote:
-                extra |= {k: body[k] for k in CHAT_FIELDS if body.get(k) is not None}
-                return await self._remote({"messages": messages, **extra}, instance)
-            assert self._local is not None
-            try:
-                return self._local.encode_chat(messages, body)
-            except (AttributeError, TypeError, ValueError):
-                return None
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
+                return None, None
+            extra |= {k: body[k] for k in CHAT_FIELDS if body.get(k) is not None}
+            return await self._remote({"messages": messages, **extra}, instance), None
+        prompt = _prompt_of(body)
         if isinstance(prompt, list):
-            packed = packed_u32(prompt) if native_hashing() else None
-            if packed is not None:  # all exact ints in [0, 2**32): token ids
-                self._checked = (prompt, packed)
-                return prompt
-            if _token_ids(prompt):
-                return prompt
+            return _token_id_prompt(prompt)
         if not isinstance(prompt, str):
-            return None
-        specials = body.get("add_special_tokens", True) is not False
-        if self.remote:
-            if not specials:
-                extra["add_special_tokens"] = False
-            return await self._remote({"prompt": prompt, **extra}, instance)
-        assert self._local is not None
-        return self._local.encode_prompt(prompt) if specials else self._local.encode(prompt)
+            return None, None
+        if body.get("add_special_tokens", True) is False:
+            extra["add_special_tokens"] = False
+        return await self._remote({"prompt": prompt, **extra}, instance), None
+
+    def local_ids(self, body: dict[str, Any], kind: str) -> tuple[list[int] | None, bytes | None]:
+        """``prompt_ids_packed`` of a local tokenizer (not ``remote``), without an await:
+        the router's decision calls it directly."""
+        assert self._local is not None, "a remote tokenizer has no local_ids"
+        if kind == "chat":
+            messages = body.get("messages")
+            if not isinstance(messages, list):
+                return None, None
+            try:
+                return self._local.encode_chat(messages, body), None
+            except (AttributeError, TypeError, ValueError):
+                return None, None
+        prompt = _prompt_of(body)
+        if isinstance(prompt, list):
+            return _token_id_prompt(prompt)
+        if not isinstance(prompt, str):
+            return None, None
+        if body.get("add_special_tokens", True) is False:
+            return self._local.encode(prompt), None
+        return self._local.encode_prompt(prompt), None
 
     async def _remote(self, payload: dict[str, Any], url: str | None) -> list[int] | None:
         url = url or (self._pick() if self._pick else None)
@@ -108,6 +103,23 @@ class RoutingTokenizer:
         except (httpx.HTTPError, ValueError):
             log.warning("remote tokenization via %s failed", url, exc_info=True)
         return None
+
+
+def _prompt_of(body: dict[str, Any]) -> Any:
+    """A completion's ``prompt``; a list holding one string is that string."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    return prompt
+
+
+def _token_id_prompt(prompt: list[Any]) -> tuple[list[int] | None, bytes | None]:
+    """A prompt given as a list: its token ids and their packing, or ``(None, None)``
+    when an item is not a token id."""
+    packed = packed_u32(prompt) if native_hashing() else None
+    if packed is not None:  # all exact ints in [0, 2**32): token ids
+        return prompt, packed
+    return (prompt if _token_ids(prompt) else None), None
 
 
 def _token_ids(prompt: list[Any]) -> bool:

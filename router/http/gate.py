@@ -55,13 +55,15 @@ async def route_request(
     pool = state.models.pool(model, state.registry.healthy(), state.registry.all())
     if pool is None:
         return unknown_model_reply(str(model))  # None only for a model named, not served
+    admission = state.admission
+    gated = forward and admission.config.enabled  # off: no ticket, nothing to notify
     ticket: Ticket | None = None
-    if forward:
-        admitted = await state.admission.admit(pool)
+    if gated:
+        admitted = await admission.admit(pool)
         if isinstance(admitted, Rejected):
             return rejected_reply(admitted)
         ticket = admitted
-    candidates = state.admission.open_instances(pool)
+    candidates = admission.open_instances(pool)
     lora = state.models.adapter(model, candidates)
     session = state.affinity.session_key(HeaderView(headers), data)
     decision = None
@@ -78,5 +80,6 @@ async def route_request(
     if forward and dashboard is not None:
         dashboard.record(decision, kind)
     return RoutedRequest(
-        decision, state.router, pool=pool, lora=lora, ticket=ticket, admission=state.admission
-    )
+        decision, state.router, pool=pool, lora=lora, ticket=ticket,
+        admission=admission if gated else None,
+    )  # fmt: skip
