@@ -90,3 +90,44 @@ def test_cpu_seconds_counts_a_busy_child_finer_than_a_clock_tick():
         child.stdin.write("\n")
         child.stdin.flush()
         child.wait(10)
+
+
+def test_the_next_batch_waits_until_every_router_is_idle():
+    """``_settled`` returns while a router still works off the last batch only at its
+    limit, and at once when every router is idle: a child that burns CPU until told to
+    stop holds it until then (bounded), an idle one not at all."""
+    import asyncio
+    import subprocess
+    import sys
+    import time
+
+    from bench.replay.interleave import _settled, _Target
+
+    code = (
+        "import sys, threading\n"
+        "stop = threading.Event()\n"
+        "threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()\n"
+        "print('busy', flush=True)\n"
+        "while not stop.is_set(): pass\n"
+        "print('idle', flush=True); sys.stdin.readline()\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdin is not None and child.stdout is not None
+    target = _Target("router", "http://unused", child.pid)
+    try:
+        assert child.stdout.readline() == "busy\n"
+        t0 = time.perf_counter()
+        asyncio.run(_settled([target], limit_s=0.3))
+        assert time.perf_counter() - t0 >= 0.3  # busy throughout: held to the limit
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "idle\n"
+        t0 = time.perf_counter()
+        asyncio.run(_settled([target], limit_s=5.0))
+        assert time.perf_counter() - t0 < 2.0  # idle: back after an interval or two
+    finally:
+        child.stdin.write("\n")
+        child.stdin.flush()
+        child.wait(10)
