@@ -43,7 +43,7 @@ from typing import Any
 
 from events.native import load
 from events.structs import BlockRemoved, KVEventBatch
-from router.index.base import Residency, Tier, is_gpu_medium, slot_of
+from router.index.base import Residency, Tier, slot_of
 
 __all__ = ["Held", "PyRefCounts", "SpeculativeResidency", "refcounts_type"]
 
@@ -270,21 +270,24 @@ class SpeculativeResidency:
         classes = self._classes.get(instance)
         if not classes:
             return
-        # vLLM removes blocks one event each: gather the batch's GPU removals per group
-        # first, then look them up once per group, not once per event.
-        removed: dict[int, list[object]] = {}
-        for ev in batch.events:
-            if type(ev) is not BlockRemoved or not ev.block_hashes:
-                continue
-            if not is_gpu_medium(ev.medium):
-                continue
-            g = ev.group_idx or 0
-            hs = removed.get(g)
-            if hs is None:
-                removed[g] = list(ev.block_hashes)
-            else:
-                hs.extend(ev.block_hashes)
-        for g, hs in removed.items():
+        # vLLM removes blocks one event each: gather the batch's GPU removals (medium None:
+        # an older engine, GPU), then look them up once per group, not once per event.
+        # Comprehensions, not a loop of calls: a busy engine sends dozens per batch.
+        removed = [
+            ev
+            for ev in batch.events
+            if type(ev) is BlockRemoved and (ev.medium is None or ev.medium == "GPU")
+        ]
+        if not removed:
+            return
+        groups = {ev.group_idx or 0 for ev in removed}
+        for g in groups:
+            hs = [
+                h
+                for ev in removed
+                if len(groups) == 1 or (ev.group_idx or 0) == g
+                for h in ev.block_hashes
+            ]
             held = [
                 h
                 for (bits, _), counts in classes.items()
