@@ -125,10 +125,8 @@ def decode_batch(payload: bytes, *, token_ids: bool = True) -> KVEventBatch:
         if token_ids:
             return _map_decoder.decode(payload)
         light = _routing_decoder.decode(payload)
-        events: list[Any] = light.events
-        for k, ev in enumerate(events):
-            if type(ev) is _StoredSansTokens:
-                events[k] = ev._full()
+        sans = _StoredSansTokens
+        events: list[Any] = [ev._full() if type(ev) is sans else ev for ev in light.events]
         return KVEventBatch(light.ts, events, light.data_parallel_rank)
     except (msgspec.DecodeError, msgspec.ValidationError):
         pass

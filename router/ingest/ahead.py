@@ -19,7 +19,7 @@ class _End:
 def _blocks(item: SubscriberItem) -> int:
     if type(item) is not BatchReceived:
         return 0
-    return sum(len(getattr(ev, "block_hashes", ())) for ev in item.batch.events)
+    return sum([len(getattr(ev, "block_hashes", ())) for ev in item.batch.events])
 
 
 class ReadAhead:

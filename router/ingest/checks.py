@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 
 # Far above any model's KV cache group count; bounds what one event can make us allocate
 # (the layout has a spec per group index up to the largest seen).
@@ -20,3 +21,10 @@ def plausible_ts(ts: float) -> bool:
 def impossible(ev: object) -> bool:
     g = getattr(ev, "group_idx", None)
     return g is not None and not 0 <= g < MAX_GROUPS
+
+
+def any_impossible(events: Sequence[object]) -> bool:
+    """``any(map(impossible, events))`` over the batch's few distinct group indices (one
+    pass without a call per event: a busy engine's batch holds dozens)."""
+    groups = {getattr(ev, "group_idx", None) for ev in events}
+    return any(g is not None and not 0 <= g < MAX_GROUPS for g in groups)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Any
 
@@ -16,9 +17,9 @@ from events.subscriber import BatchesMissed, BatchReceived, SourceRestarted, Sub
 from router.decision.layout import InstanceLayout, LayoutRegistry
 from router.index.base import BlockIndex
 from router.ingest.ahead import ReadAhead
-from router.ingest.checks import impossible, plausible_ts
+from router.ingest.checks import any_impossible, impossible, plausible_ts
 from router.ingest.listener import IngestListener
-from router.ingest.metrics import IngestMetrics
+from router.ingest.metrics import FeedMetrics, IngestMetrics
 from router.ingest.sources import EventSource, Feed, InstanceSource, SourceFactory
 from router.ingest.trim import HeapTrimmer
 
@@ -98,7 +99,8 @@ class IngestManager:
             raise ValueError(f"instance {name!r} is already ingested")
         if layout is not None:
             self.layouts.configure(name, layout)
-        feed = Feed(InstanceSource(name, endpoint, replay_endpoint, topic, bind), start_seq)
+        source = InstanceSource(name, endpoint, replay_endpoint, topic, bind)
+        feed = Feed(source, start_seq, FeedMetrics(self.metrics, name))
         self._feeds[name] = feed
         feed.task = asyncio.get_running_loop().create_task(self._run(feed), name=f"ingest-{name}")
         if self.heartbeat_s and self._beat is None:
@@ -380,7 +382,7 @@ class IngestManager:
                 log.warning("%s: batch %d with impossible ts %r dropped", name, rec.seq, batch.ts)
                 status.append("invalid")
             else:
-                if any(map(impossible, batch.events)):
+                if any_impossible(batch.events):
                     batch = self._drop_impossible(name, batch)
                 status.append("")
             batches.append(batch)
@@ -435,24 +437,22 @@ class IngestManager:
 
     def _count(self, feed: Feed, rec: BatchReceived, batch: KVEventBatch, status: str) -> None:
         """Per-batch metrics and progress (``last_seq``, ``wait_for_seq`` waiters)."""
-        name = feed.source.name
-        m = self.metrics
-        counts: dict[str, int] = {}
-        for ev in batch.events:
-            counts[type(ev).__name__] = counts.get(type(ev).__name__, 0) + 1
-        for kind, n in counts.items():
-            m.events.labels(name, kind, status).inc(n)
-        m.batches.labels(name, "replay" if rec.replayed else "live").inc()
+        m = feed.metrics
+        for kind, n in Counter(map(type, batch.events)).items():
+            m.events(kind.__name__, status).inc(n)
         if rec.replayed:
-            m.replays.labels(name).inc()
-        elif status != "invalid":
-            lag = max(0.0, time.time() - batch.ts)
-            m.lag.labels(name).set(lag)
-            m.lag_hist.observe(lag)
+            m.replay_batches.inc()
+            m.replays.inc()
+        else:
+            m.live_batches.inc()
+            if status != "invalid":
+                lag = max(0.0, time.time() - batch.ts)
+                m.lag.set(lag)
+                m.lag_hist.observe(lag)
         feed.last_seq = rec.seq
         feed.view.applied(rec.seq)
         feed.handled += 1
-        m.last_seq.labels(name).set(rec.seq)
+        m.last_seq.set(rec.seq)
         feed.changed.set()
 
     async def _has_cursor(self, name: str) -> bool:

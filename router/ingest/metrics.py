@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
+from router.metrics import FastCounter, FastGauge, FastObserve
+
 
 class IngestMetrics:
     """The ``kvroute_ingest_*`` series, registered in ``registry`` (default: the global one)."""
@@ -42,3 +44,41 @@ class IngestMetrics:
             registry=reg,
         )
         self.last_seq = gauge("kvroute_ingest_last_seq", "Last sequence number handled.")
+        self.lag_hist_fast = FastObserve(self.lag_hist)  # once per live batch
+
+
+class FeedMetrics:
+    """One instance's children of the per-batch series, bound once: ``labels()`` takes a
+    lock and a lookup per call, and every batch made six of them. The gauges are bound at
+    their first value: until a live batch there is no lag to show, not a lag of 0."""
+
+    def __init__(self, metrics: IngestMetrics, instance: str) -> None:
+        self._metrics = metrics
+        self._instance = instance
+        self._by_kind: dict[tuple[str, str], FastCounter] = {}
+        self._lag: FastGauge | None = None
+        self._last_seq: FastGauge | None = None
+        self.live_batches = FastCounter(metrics.batches.labels(instance, "live"))
+        self.replay_batches = FastCounter(metrics.batches.labels(instance, "replay"))
+        self.replays = FastCounter(metrics.replays.labels(instance))
+        self.lag_hist = metrics.lag_hist_fast
+
+    def events(self, kind: str, status: str) -> FastCounter:
+        """``kvroute_ingest_events{instance, type=kind, status}``."""
+        c = self._by_kind.get((kind, status))
+        if c is None:
+            child = self._metrics.events.labels(self._instance, kind, status)
+            c = self._by_kind[kind, status] = FastCounter(child)
+        return c
+
+    @property
+    def lag(self) -> FastGauge:
+        if self._lag is None:
+            self._lag = FastGauge(self._metrics.lag.labels(self._instance))
+        return self._lag
+
+    @property
+    def last_seq(self) -> FastGauge:
+        if self._last_seq is None:
+            self._last_seq = FastGauge(self._metrics.last_seq.labels(self._instance))
+        return self._last_seq

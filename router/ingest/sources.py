@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from events.subscriber import SubscriberItem
+from router.ingest.metrics import FeedMetrics
 from router.ingest.view import ViewState
 
 
@@ -39,6 +40,7 @@ class Feed:
 
     source: InstanceSource
     start_seq: int | None
+    metrics: FeedMetrics  # its children of ingest's per-batch series
     task: asyncio.Task[None] | None = None
     sub: EventSource | None = None
     last_seq: int | None = None

@@ -54,6 +54,23 @@ def metric(reg: CollectorRegistry, name: str, **labels: str) -> float:
     return reg.get_sample_value(name, labels) or 0.0
 
 
+async def test_a_feed_shows_no_lag_until_its_first_live_batch():
+    """The per-instance series are bound once per feed; the lag and last-seq gauges only
+    at their first value: a feed that has only replayed has no lag to show, not 0."""
+    idx, reg = MemoryIndex(), CollectorRegistry()
+    sources = Sources([got(0, batch(stored([1, 2]), ts=time.time()), replayed=True)])
+    mgr = IngestManager(idx, registry=reg, source_factory=sources)
+    await mgr.add_instance("e1", "tcp://x:1")
+    await mgr.wait_for_seq("e1", 0)
+    assert metric(reg, "kvroute_ingest_batches_total", instance="e1", source="replay") == 1
+    assert metric(reg, "kvroute_ingest_batches_total", instance="e1", source="live") == 0
+    assert reg.get_sample_value("kvroute_ingest_lag_seconds", {"instance": "e1"}) is None
+    assert reg.get_sample_value("kvroute_ingest_last_seq", {"instance": "e1"}) == 0.0  # set
+    assert metric(reg, "kvroute_ingest_events_total", instance="e1", type="BlockStored",
+                  status="applied") == 1  # fmt: skip
+    await mgr.close()
+
+
 async def test_batches_are_applied_in_order_and_counted_by_type_and_status():
     idx, reg = MemoryIndex(), CollectorRegistry()
     b0 = batch(stored([1, 2, 3]), stored([1], 1), ts=time.time() - 0.5)
