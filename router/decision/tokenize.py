@@ -54,41 +54,31 @@ class RoutingTokenizer:
         if not self.remote:
             return self.local_ids(body, kind)
         extra = {"model": body["model"]} if isinstance(body.get("model"), str) else {}
-        if kind == "chat":
-            messages = body.get("messages")
-            if not isinstance(messages, list):
-                return None, None
+        text = _text_of(body, kind)
+        if isinstance(text, tuple):  # token ids given, or nothing to tokenize
+            return text
+        if isinstance(text, list):  # a chat's messages
             extra |= {k: body[k] for k in CHAT_FIELDS if body.get(k) is not None}
-            return await self._remote({"messages": messages, **extra}, instance), None
-        prompt = _prompt_of(body)
-        if isinstance(prompt, list):
-            return _token_id_prompt(prompt)
-        if not isinstance(prompt, str):
-            return None, None
+            return await self._remote({"messages": text, **extra}, instance), None
         if body.get("add_special_tokens", True) is False:
             extra["add_special_tokens"] = False
-        return await self._remote({"prompt": prompt, **extra}, instance), None
+        return await self._remote({"prompt": text, **extra}, instance), None
 
     def local_ids(self, body: dict[str, Any], kind: str) -> tuple[list[int] | None, bytes | None]:
         """``prompt_ids_packed`` of a local tokenizer (not ``remote``), without an await:
         the router's decision calls it directly."""
         assert self._local is not None, "a remote tokenizer has no local_ids"
-        if kind == "chat":
-            messages = body.get("messages")
-            if not isinstance(messages, list):
-                return None, None
+        text = _text_of(body, kind)
+        if isinstance(text, tuple):  # token ids given, or nothing to tokenize
+            return text
+        if isinstance(text, list):  # a chat's messages
             try:
-                return self._local.encode_chat(messages, body), None
+                return self._local.encode_chat(text, body), None
             except (AttributeError, TypeError, ValueError):
                 return None, None
-        prompt = _prompt_of(body)
-        if isinstance(prompt, list):
-            return _token_id_prompt(prompt)
-        if not isinstance(prompt, str):
-            return None, None
         if body.get("add_special_tokens", True) is False:
-            return self._local.encode(prompt), None
-        return self._local.encode_prompt(prompt), None
+            return self._local.encode(text), None
+        return self._local.encode_prompt(text), None
 
     async def _remote(self, payload: dict[str, Any], url: str | None) -> list[int] | None:
         url = url or (self._pick() if self._pick else None)
@@ -105,12 +95,21 @@ class RoutingTokenizer:
         return None
 
 
-def _prompt_of(body: dict[str, Any]) -> Any:
-    """A completion's ``prompt``; a list holding one string is that string."""
+def _text_of(
+    body: dict[str, Any], kind: str
+) -> str | list[Any] | tuple[list[int] | None, bytes | None]:
+    """What a request asks to tokenize: a chat's messages (a list), a completion's prompt
+    text (a list holding one string is that string), or -- nothing to tokenize -- the
+    answer itself: a prompt's token ids and their packing, or ``(None, None)``."""
+    if kind == "chat":
+        messages = body.get("messages")
+        return messages if isinstance(messages, list) else (None, None)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         return prompt[0]
-    return prompt
+    if isinstance(prompt, str):
+        return prompt
+    return _token_id_prompt(prompt) if isinstance(prompt, list) else (None, None)
 
 
 def _token_id_prompt(prompt: list[Any]) -> tuple[list[int] | None, bytes | None]:

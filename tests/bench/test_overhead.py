@@ -56,13 +56,42 @@ def test_python_floor_relays_answers_byte_for_byte(tmp_path):
         assert r.status_code == 502 and b"refused" in r.content
 
 
+class _Child:
+    """A Python child driven line by line: ``step()`` sends a line and returns the next
+    line it prints; leaving closes its stdin (every read then returns) and waits for it."""
+
+    def __init__(self, code: str) -> None:
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        self.pid = self.proc.pid
+
+    def line(self) -> str:
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline()
+
+    def step(self) -> str:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+        return self.line()
+
+    def __enter__(self) -> _Child:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(10)
+
+
 def test_cpu_seconds_counts_a_busy_child_finer_than_a_clock_tick():
     """The overhead benchmark's CPU per request: a child that burns 30 ms of CPU between
     two readings is counted as that, at the scheduler's resolution, not in 10 ms clock
     ticks (which made 400 requests' CPU come in steps of 0.025 ms a request)."""
-    import subprocess
-    import sys
-
     from bench.replay.procs import cpu_seconds
 
     code = (
@@ -72,24 +101,14 @@ def test_cpu_seconds_counts_a_busy_child_finer_than_a_clock_tick():
         "while time.thread_time() - t < 0.03: pass\n"
         "print('done', flush=True); sys.stdin.readline()\n"
     )
-    child = subprocess.Popen(
-        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    assert child.stdin is not None and child.stdout is not None
-    try:
-        assert child.stdout.readline() == "ready\n"
+    with _Child(code) as child:
+        assert child.line() == "ready\n"
         before = cpu_seconds(child.pid)
-        child.stdin.write("\n")
-        child.stdin.flush()
-        assert child.stdout.readline() == "done\n"
+        assert child.step() == "done\n"
         spent = cpu_seconds(child.pid) - before
         assert 0.03 <= spent < 0.045, spent
         ticks = spent * 100
         assert abs(ticks - round(ticks)) > 1e-6, f"{spent} s: whole clock ticks"
-    finally:
-        child.stdin.write("\n")
-        child.stdin.flush()
-        child.wait(10)
 
 
 def test_the_next_batch_waits_until_every_router_is_idle():
@@ -97,8 +116,6 @@ def test_the_next_batch_waits_until_every_router_is_idle():
     limit, and at once when every router is idle: a child that burns CPU until told to
     stop holds it until then (bounded), an idle one not at all."""
     import asyncio
-    import subprocess
-    import sys
     import time
 
     from bench.replay.interleave import _settled, _Target
@@ -111,23 +128,13 @@ def test_the_next_batch_waits_until_every_router_is_idle():
         "while not stop.is_set(): pass\n"
         "print('idle', flush=True); sys.stdin.readline()\n"
     )
-    child = subprocess.Popen(
-        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    assert child.stdin is not None and child.stdout is not None
-    target = _Target("router", "http://unused", child.pid)
-    try:
-        assert child.stdout.readline() == "busy\n"
+    with _Child(code) as child:
+        target = _Target("router", "http://unused", child.pid)
+        assert child.line() == "busy\n"
         t0 = time.perf_counter()
         asyncio.run(_settled([target], limit_s=0.3))
         assert time.perf_counter() - t0 >= 0.3  # busy throughout: held to the limit
-        child.stdin.write("\n")
-        child.stdin.flush()
-        assert child.stdout.readline() == "idle\n"
+        assert child.step() == "idle\n"
         t0 = time.perf_counter()
         asyncio.run(_settled([target], limit_s=5.0))
         assert time.perf_counter() - t0 < 2.0  # idle: back after an interval or two
-    finally:
-        child.stdin.write("\n")
-        child.stdin.flush()
-        child.wait(10)
