@@ -34,7 +34,7 @@ from collections import deque
 
 from events.hashing import wire_hashes
 from events.structs import BlockStored, ExternalBlockHash, KVEventBatch
-from router.index.base import to_wire
+from router.index.base import GPU_MEDIA, to_wire
 
 __all__ = ["ChunkLearner"]
 
@@ -88,7 +88,7 @@ class ChunkLearner:
         for ev in batch.events:
             if type(ev) is not BlockStored or not ev.block_hashes:
                 continue
-            if ev.medium in (None, "GPU"):
+            if ev.medium in GPU_MEDIA:
                 if ev.block_size > 0 and ev.kv_cache_spec_kind in _CONTIGUOUS:
                     if self.placing:
                         self._chain(ev.parent_block_hash, ev.block_hashes, ev.block_size)

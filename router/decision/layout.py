@@ -32,6 +32,7 @@ from events.groups import (
 )
 from events.structs import BlockStored, KVEventBatch
 from router.decision.chunking import ChunkLearner
+from router.index.base import GPU_MEDIA
 
 __all__ = ["InstanceLayout", "LayoutRegistry", "SharedLayouts", "default_layout"]
 
@@ -251,7 +252,7 @@ class LayoutRegistry:
         for ev in batch.events:
             if type(ev) is not BlockStored or ev.block_size <= 0:
                 continue
-            if ev.medium not in (None, "GPU"):
+            if ev.medium not in GPU_MEDIA:
                 if not ev.block_hashes:
                     continue
                 if ev.kv_cache_spec_kind != "mamba":  # a Mamba chunk names only its state

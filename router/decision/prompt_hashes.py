@@ -131,13 +131,13 @@ class PromptHashes:
         self.hashed_blocks += n - reuse
         # The new chain extends ``prev`` (the next turn of a conversation): it takes its place.
         extends = at if prev is not None and len(prev.tokens) == reuse * unit else -1
-        self._keep(key, extends, _Chain(packed, done + tail, wires))
+        self._keep(key, start, extends, _Chain(packed, done + tail, wires))
         return wires
 
-    def _keep(self, key: tuple, extends: int, chain: _Chain) -> None:
-        """Keep ``chain`` as its start's most recent, in place of the chain at ``extends``
-        (-1: none) that it extends; then drop the oldest past the bounds."""
-        start = self._chains.get(key)
+    def _keep(self, key: tuple, start: _Start | None, extends: int, chain: _Chain) -> None:
+        """Keep ``chain`` as ``start``'s most recent (None: ``key`` has none yet), in place
+        of the chain at ``extends`` (-1: none) that it extends; then drop the oldest past
+        the bounds."""
         if start is None:
             start = self._chains[key] = _Start([], [])
         else:

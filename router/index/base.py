@@ -19,6 +19,7 @@ from events.hashing import wire_hash as to_wire  # re-exported: the index API sp
 from events.structs import KVEventBatch
 
 __all__ = [
+    "GPU_MEDIA",
     "NUM_TIERS",
     "ApplyResult",
     "BlockIndex",
@@ -58,16 +59,20 @@ Residency = dict[int, int]
 _GPU_TIER, _CPU_TIER = Tier.GPU, Tier.CPU
 
 
+# vLLM's ``medium`` values of the GPU tier: None (older engines) and "GPU"; any other is
+# CPU. The one statement of the rule: per-event loops test ``ev.medium in GPU_MEDIA``
+# inline (a function call per event cost as much as the rest of the loop's body).
+GPU_MEDIA: frozenset[str | None] = frozenset({None, "GPU"})
+
+
 def is_gpu_medium(medium: str | None) -> bool:
-    """vLLM's ``medium``: None (older engines) and "GPU" are the GPU tier, the rest CPU.
-    Per-event filters call this instead of comparing ``tier_of``'s result with a member."""
-    return medium is None or medium == "GPU"
+    """``medium`` is the GPU tier's (``GPU_MEDIA``)."""
+    return medium in GPU_MEDIA
 
 
 def tier_of(medium: str | None) -> Tier:
-    """The tier of vLLM's ``medium`` (``is_gpu_medium``'s rule, inlined: this runs for
-    every event the index applies, and a call more doubles its cost)."""
-    return _GPU_TIER if medium is None or medium == "GPU" else _CPU_TIER
+    """The tier of vLLM's ``medium`` (``GPU_MEDIA``)."""
+    return _GPU_TIER if medium in GPU_MEDIA else _CPU_TIER
 
 
 def slot_of(group_idx: int | None, tier: int) -> int:

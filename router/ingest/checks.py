@@ -18,13 +18,15 @@ def plausible_ts(ts: float) -> bool:
     return math.isfinite(ts) and ts < time.time() + MAX_CLOCK_AHEAD_S
 
 
-def impossible(ev: object) -> bool:
-    g = getattr(ev, "group_idx", None)
+def _impossible_group(g: int | None) -> bool:
     return g is not None and not 0 <= g < MAX_GROUPS
+
+
+def impossible(ev: object) -> bool:
+    return _impossible_group(getattr(ev, "group_idx", None))
 
 
 def any_impossible(events: Sequence[object]) -> bool:
     """``any(map(impossible, events))`` over the batch's few distinct group indices (one
     pass without a call per event: a busy engine's batch holds dozens)."""
-    groups = {getattr(ev, "group_idx", None) for ev in events}
-    return any(g is not None and not 0 <= g < MAX_GROUPS for g in groups)
+    return any(map(_impossible_group, {getattr(ev, "group_idx", None) for ev in events}))

@@ -44,7 +44,6 @@ class IngestMetrics:
             registry=reg,
         )
         self.last_seq = gauge("kvroute_ingest_last_seq", "Last sequence number handled.")
-        self.lag_hist_fast = FastObserve(self.lag_hist)  # once per live batch
 
 
 class FeedMetrics:
@@ -61,7 +60,7 @@ class FeedMetrics:
         self.live_batches = FastCounter(metrics.batches.labels(instance, "live"))
         self.replay_batches = FastCounter(metrics.batches.labels(instance, "replay"))
         self.replays = FastCounter(metrics.replays.labels(instance))
-        self.lag_hist = metrics.lag_hist_fast
+        self.lag_hist = FastObserve(metrics.lag_hist)  # the histogram has no instance label
 
     def events(self, kind: str, status: str) -> FastCounter:
         """``kvroute_ingest_events{instance, type=kind, status}``."""

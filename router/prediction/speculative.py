@@ -43,7 +43,7 @@ from typing import Any
 
 from events.native import load
 from events.structs import BlockRemoved, KVEventBatch
-from router.index.base import Residency, Tier, slot_of
+from router.index.base import GPU_MEDIA, Residency, Tier, slot_of
 
 __all__ = ["Held", "PyRefCounts", "SpeculativeResidency", "refcounts_type"]
 
@@ -270,14 +270,10 @@ class SpeculativeResidency:
         classes = self._classes.get(instance)
         if not classes:
             return
-        # vLLM removes blocks one event each: gather the batch's GPU removals (medium None:
-        # an older engine, GPU), then look them up once per group, not once per event.
-        # Comprehensions, not a loop of calls: a busy engine sends dozens per batch.
-        removed = [
-            ev
-            for ev in batch.events
-            if type(ev) is BlockRemoved and (ev.medium is None or ev.medium == "GPU")
-        ]
+        # vLLM removes blocks one event each: gather the batch's GPU removals, then look
+        # them up once per group, not once per event. Comprehensions, not a loop of calls:
+        # a busy engine sends dozens per batch.
+        removed = [ev for ev in batch.events if type(ev) is BlockRemoved and ev.medium in GPU_MEDIA]
         if not removed:
             return
         groups = {ev.group_idx or 0 for ev in removed}
