@@ -28,9 +28,10 @@ from operator import or_
 from typing import NamedTuple
 
 from events.groups import FullAttentionSpec, HitRule, hit_rule
+from events.hashing import wire_hashes
 from events.offload_hit import OffloadRule, offload_rule
 from router.decision.layout import InstanceLayout, LayoutRegistry
-from router.index.base import NUM_TIERS, BlockIndex, Residency, Tier, to_wire
+from router.index.base import NUM_TIERS, BlockIndex, Residency, Tier
 
 __all__ = ["Score", "Scorer", "score_residency"]
 
@@ -190,7 +191,7 @@ class Scorer:
         holds nothing), without it only instances holding some block of the request.
         ``extra`` (speculative residency) is ORed into the index's before scoring."""
         if block_hashes and type(block_hashes[0]) is not int:
-            block_hashes = [to_wire(h) for h in block_hashes]
+            block_hashes = wire_hashes(block_hashes)
         found = await self.index.lookup(block_hashes, instances)
         if extra:
             found = _merged(found, extra)
